@@ -1,0 +1,280 @@
+"""The one test command: `python test_all.py` (or `pytest test_all.py`).
+
+CPU smoke and correctness tests run everywhere; tests marked with @gpu run only when CUDA is
+present. Tests assert behaviour (agreement with a reference, a loss that goes down, a clear error
+on bad input), never timings. The last line printed is `N passed, N failed`.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+HAS_CUDA = torch.cuda.is_available()
+
+
+def gpu(test):
+    """Mark a test as needing CUDA: skipped (and reported as such) on a CPU machine."""
+    test.needs_cuda = True
+    if not HAS_CUDA and "pytest" in sys.modules:
+        import pytest
+
+        return pytest.mark.skip(reason="needs CUDA")(test)
+    return test
+
+
+def run(script, *args, env=None, timeout=600, check=True):
+    """Run `python script args...` from the repo root; return the CompletedProcess. With
+    check=True a non-zero exit fails the test and shows the script's output."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *map(str, args)], cwd=HERE,
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} {' '.join(map(str, args))} exited {proc.returncode}:\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def assert_bad_input(script, *args, says):
+    """The script rejects the arguments with exit status 2, no traceback, and a message
+    containing `says`."""
+    proc = run(script, *args, check=False, timeout=300)
+    assert proc.returncode == 2, f"{script} {args}: exit {proc.returncode}, expected 2\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert says.lower() in proc.stderr.lower(), f"expected '{says}' in: {proc.stderr}"
+
+
+# --- 1. gpt.py: presets, tokenizer, vocabulary padding, attention toggles
+
+import math  # noqa: E402
+
+import gpt  # noqa: E402
+
+
+def expected_params(c):
+    """Parameter count implied by a config: blocks, tied embedding (once), positions, final LN."""
+    d, f = c.n_embd, c.d_ff
+    block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (d * f + f) + (f * d + d)
+    return c.n_layer * block + c.vocab_size * d + c.block_size * d + 2 * d
+
+
+def test_presets_param_counts():
+    for name in gpt.PRESETS:
+        for vocab in (50257, 50304):
+            config = gpt.make_config(name, vocab_size=vocab)
+            with torch.device("meta"):
+                n = gpt.GPT(config).num_params()
+            assert n == expected_params(config), (name, vocab, n)
+    assert gpt.GPT(gpt.make_config("gpt2")).num_params() == 124_439_808  # GPT-2 124M, as published
+
+
+def test_forward_shapes_and_initial_loss():
+    torch.manual_seed(0)
+    config = gpt.make_config("tiny", vocab_size=50304)
+    model = gpt.GPT(config)
+    idx = torch.randint(0, gpt.GPT2_VOCAB, (2, 16))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (2, 16, 50304)
+    assert abs(loss.item() - math.log(50304)) < 0.5  # near-uniform predictions at init
+    assert model(idx)[1] is None
+    for name, p in model.named_parameters():  # residual projections get the scaled init
+        if name.endswith("c_proj.weight"):
+            assert abs(p.std().item() - 0.02 / math.sqrt(2 * config.n_layer)) < 0.003, name
+
+
+def test_tokenizer_offline_count_and_round_trip():
+    enc = gpt.gpt2_tokenizer()
+    with open(os.path.join(HERE, "input.txt"), encoding="utf-8") as f:
+        text = f.read()
+    ids = enc.encode_ordinary(text)
+    assert len(ids) == 338_025 and max(ids) < gpt.GPT2_VOCAB
+    assert enc.decode(ids) == text
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [50256]
+    assert len(gpt.load_tokens()) == 338_025
+
+
+def test_vocab_padding_never_sampled():
+    assert gpt.round_up(50257, 128) == 50304 and gpt.round_up(50304, 128) == 50304
+    assert gpt.round_up(50257, 64) == 50304 and gpt.round_up(50257, 8) == 50264
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.make_config("tiny", vocab_size=50304))
+    plain_forward = model.forward
+
+    def forward_favouring_padding(idx, targets=None):  # padded tokens get by far the top logits
+        logits, loss = plain_forward(idx, targets)
+        logits[..., gpt.GPT2_VOCAB:] += 100.0
+        return logits, loss
+
+    model.forward = forward_favouring_padding
+    out = model.generate(torch.zeros(2, 1, dtype=torch.long), 20)
+    assert out.shape == (2, 21) and out.max().item() < gpt.GPT2_VOCAB
+
+
+def attention_matches_naive(impl, device, dtype, tol):
+    """Logits and gradients of a tiny GPT with attention `impl` agree with naive attention.
+    Returns False if the implementation cannot run here (e.g. a CUDA-only SDPA backend)."""
+    results = {}
+    for name in ("naive", impl):
+        torch.manual_seed(0)
+        model = gpt.GPT(gpt.make_config("tiny", attn=name)).to(device)
+        idx = torch.randint(0, gpt.GPT2_VOCAB, (2, 64), device=device)
+        try:
+            with gpt.autocast(device, dtype):
+                logits, loss = model(idx, idx)
+            loss.backward()
+        except RuntimeError as e:
+            if name != "naive" and "kernel" in str(e).lower():
+                return False
+            raise
+        results[name] = [logits.float()] + [p.grad.float() for p in model.parameters()]
+    for ref, got in zip(results["naive"], results[impl]):
+        err = (ref - got).norm() / ref.norm()
+        assert err < tol, f"{impl}: relative error {err:.2e}"
+    return True
+
+
+def test_attention_toggles_agree_cpu():
+    checked = [impl for impl in ("sdpa", "flash", "math", "cudnn", "efficient")
+               if attention_matches_naive(impl, "cpu", None, 1e-5)]
+    assert {"sdpa", "math"} <= set(checked), checked
+    print(f"  agree with naive on the CPU: {', '.join(checked)}")
+
+
+@gpu
+def test_attention_toggles_agree_gpu():
+    for impl in ("sdpa", "flash", "cudnn", "efficient", "math"):
+        assert attention_matches_naive(impl, "cuda", torch.bfloat16, 3e-2), impl
+        assert attention_matches_naive(impl, "cuda", None, 1e-2) or impl in ("flash", "cudnn"), impl
+
+
+def test_config_errors():
+    for kwargs, says in [({"vocab_size": 50000}, "below"), ({"attn": "nope"}, "unknown attention")]:
+        try:
+            gpt.make_config("tiny", **kwargs)
+            raise AssertionError(f"{kwargs} accepted")
+        except ValueError as e:
+            assert says in str(e)
+    try:
+        gpt.make_config("gpt5")
+        raise AssertionError("unknown preset accepted")
+    except ValueError as e:
+        assert "unknown model" in str(e)
+
+
+# --- 2. train.py: learning, checkpoints, DDP, bad input
+
+
+def train_lines(*args):
+    """Run train.py on the CPU and return its per-step loss lines and val losses."""
+    out = run("train.py", "--device", "cpu", *args).stdout
+    losses = [ln.split("|")[1].split()[1] for ln in out.splitlines() if "| loss" in ln]
+    vals = [float(ln.split()[-1]) for ln in out.splitlines() if "val loss" in ln]
+    return losses, vals, out
+
+
+def test_train_cpu_lowers_val_loss():
+    losses, vals, out = train_lines("--steps", "30", "--eval-every", "10", "--eval-steps", "4")
+    assert out.startswith("device: cpu"), out[:200]
+    assert len(losses) == 30 and len(vals) == 3
+    assert vals[-1] < vals[0] - 0.5, vals
+    assert "summary: median step" in out
+
+
+def test_checkpoint_resume_is_exact():
+    with tempfile.TemporaryDirectory() as tmp:
+        common = ["--steps", "8", "--eval-every", "4", "--batch", "2", "--seq", "32", "--warmup", "2"]
+        whole, _, _ = train_lines(*common, "--ckpt", f"{tmp}/a.pt")
+        first, _, _ = train_lines(*common, "--ckpt", f"{tmp}/b.pt", "--stop-after", "4")
+        second, _, out = train_lines(*common, "--ckpt", f"{tmp}/b.pt", "--resume")
+        assert "resumed from" in out and len(first) == 4 and len(second) == 4
+        assert first + second == whole
+        a = torch.load(f"{tmp}/a.pt", weights_only=False)
+        b = torch.load(f"{tmp}/b.pt", weights_only=False)
+        assert a["step"] == b["step"] == 8 and a["pos"] == b["pos"]
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_train_ddp_matches_single_process():
+    """torchrun with 2 CPU ranks (gloo) x batch 2 trains like one process with batch 4: each rank
+    reads its own rows of the same token window and DDP averages the gradients."""
+    common = ["--steps", "4", "--seq", "32", "--eval-every", "100", "--device", "cpu"]
+    single, _, _ = train_lines(*common, "--batch", "4")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           "--master_port=29533", "train.py", *common, "--batch", "2"],
+                          cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ddp = [ln.split("|")[1].split()[1] for ln in proc.stdout.splitlines() if "| loss" in ln]
+    assert "x 2 processes" in proc.stdout and len(ddp) == 4
+    for a, b in zip(single, ddp):
+        assert abs(float(a) - float(b)) < 2e-3, (single, ddp)
+
+
+def test_train_bad_input():
+    assert_bad_input("train.py", "--model", "gpt5", says="unknown model")
+    assert_bad_input("train.py", "--model", "gpt2", "--seq", "2048", says="block size")
+    assert_bad_input("train.py", "--vocab", "50000", says="below the tokenizer")
+    assert_bad_input("train.py", "--bf16", "--fp16", "--device", "cpu", says="exclusive")
+    assert_bad_input("train.py", "--batch", "0", says="--batch must be positive")
+    assert_bad_input("train.py", "--resume", "--ckpt", "/nonexistent.pt", says="--resume needs")
+    if not HAS_CUDA:
+        assert_bad_input("train.py", "--fp16", says="needs a CUDA GPU")
+        assert_bad_input("train.py", "--device", "cuda", says="no CUDA GPU")
+
+
+def test_train_missing_input_txt():
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("gpt.py", "train.py"):
+            with open(os.path.join(HERE, name)) as src, open(os.path.join(tmp, name), "w") as dst:
+                dst.write(src.read())
+        os.symlink(os.path.join(HERE, "gpt2_bpe"), os.path.join(tmp, "gpt2_bpe"))
+        proc = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--steps", "1"], cwd=tmp,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "input.txt is missing" in proc.stderr, proc.stderr
+
+
+@gpu
+def test_train_gpu_bf16_compile():
+    out = run("train.py", "--vocab", "50304", "--bf16", "--compile", "--steps", "30", "--batch", "8",
+              "--seq", "256", "--eval-every", "15").stdout
+    vals = [float(ln.split()[-1]) for ln in out.splitlines() if "val loss" in ln]
+    assert len(vals) == 2 and vals[1] < vals[0], out[-2000:]
+    assert "GiB" in out.splitlines()[-1] and "MFU" in out
+
+
+@gpu
+def test_train_gpu_fp16_scaler():
+    out = run("train.py", "--fp16", "--steps", "20", "--batch", "8", "--seq", "256", "--eval-every", "10").stdout
+    vals = [float(ln.split()[-1]) for ln in out.splitlines() if "val loss" in ln]
+    assert len(vals) == 2 and vals[1] < vals[0], out[-2000:]
+
+
+def main():
+    tests = [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]
+    only = sys.argv[1:]  # optional substrings to select tests: python test_all.py tokenizer
+    tests = [(n, f) for n, f in tests if not only or any(s in n for s in only)]
+    passed = failed = skipped = 0
+    for name, test in tests:
+        if getattr(test, "needs_cuda", False) and not HAS_CUDA:
+            skipped += 1
+            continue
+        start = time.time()
+        try:
+            test()
+            passed += 1
+            print(f"PASS {name} ({time.time() - start:.1f}s)", flush=True)
+        except Exception:
+            failed += 1
+            print(f"FAIL {name} ({time.time() - start:.1f}s)\n{traceback.format_exc()}", flush=True)
+    print(f"{passed} passed, {failed} failed, {skipped} skipped")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
