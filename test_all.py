@@ -78,8 +78,8 @@ def test_forward_shapes_and_initial_loss():
     torch.manual_seed(0)
     config = gpt.make_config("tiny", vocab_size=50304)
     model = gpt.GPT(config)
-    idx = torch.randint(0, gpt.GPT2_VOCAB, (2, 16))
-    logits, loss = model(idx, idx)
+    idx, targets = torch.randint(0, gpt.GPT2_VOCAB, (2, 2, 16))
+    logits, loss = model(idx, targets)
     assert logits.shape == (2, 16, 50304)
     assert abs(loss.item() - math.log(50304)) < 0.5  # near-uniform predictions at init
     assert model(idx)[1] is None
@@ -253,6 +253,174 @@ def test_train_gpu_fp16_scaler():
     out = run("train.py", "--fp16", "--steps", "20", "--batch", "8", "--seq", "256", "--eval-every", "10").stdout
     vals = [float(ln.split()[-1]) for ln in out.splitlines() if "val loss" in ln]
     assert len(vals) == 2 and vals[1] < vals[0], out[-2000:]
+
+
+# --- 3. bench_attention.py: sweep, saved-bytes model, labels, OOM
+
+def _bench_attention_table(stdout, title):
+    """The table printed under the line starting with `title`, as {(D, S): {header: cell}};
+    columns are cut at the dash rule, since headers and cells may contain spaces."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    spans, col = [], 0
+    for dashes in lines[start + 2].split("  "):
+        spans.append((col, col + len(dashes)))
+        col += len(dashes) + 2
+    cut = lambda line: [line[a:b].strip() for a, b in spans]
+    headers, rows = cut(lines[start + 1]), {}
+    for line in lines[start + 3:]:
+        if not line[:1].isdigit():
+            break
+        cells = dict(zip(headers, cut(line)))
+        rows[(int(cells["D"]), int(cells["S"]))] = cells
+    return rows
+
+
+def test_bench_attention_cpu_sweep():
+    args = ["--impl", "naive,flash,efficient,math,triton", "--d", "16,32", "--seq", "32,64", "--steps", "2",
+            "--warmup", "1", "--dtype", "fp32", "--causal"]
+    out = run("bench_attention.py", *args).stdout
+    fwd = _bench_attention_table(out, "forward, ms")
+    bwd = _bench_attention_table(out, "backward, ms")
+    assert set(fwd) == set(bwd) == {(16, 32), (16, 64), (32, 32), (32, 64)}, out
+    for table in (fwd, bwd):
+        for row in table.values():
+            float(row["naive"].split("±")[0])  # a number, not OOM / n/a
+            float(row["math"].split("±")[0])
+            if not HAS_CUDA:
+                assert row["efficient"] == "n/a", row  # a CUDA-only backend is n/a, not a crash
+    assert "n/a efficient:" in out or HAS_CUDA, out
+    # memory accounting: prediction from the shapes equals what autograd saved, for every row
+    acct = _bench_attention_table(out, "naive attention memory")
+    assert set(acct) == set(fwd), out
+    assert all(row["saved pred"] == row["saved hooks"] for row in acct.values()), out
+    assert out.strip().splitlines()[-1].startswith("summary:"), out
+    suite = run("bench_attention.py", "--suite", "flash", "--impl", "naive,math", "--d", "16", "--seq", "64,128",
+                "--dtype", "fp32").stdout
+    both = _bench_attention_table(suite, "fp32 fwd+bwd")
+    assert set(both) == {(16, 64), (16, 128)} and all("(" in row["naive"] for row in both.values()), suite
+
+
+def test_bench_attention_saved_bytes_prediction():
+    from bench_attention import measure_saved_bytes, naive_attention, naive_saved_bytes
+
+    for B, H, S, D, dtype, causal in [(2, 3, 48, 16, torch.float32, False), (1, 2, 40, 8, torch.bfloat16, True),
+                                      (3, 1, 64, 32, torch.float32, True)]:
+        q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=True) for _ in range(3))
+        measured = measure_saved_bytes(lambda q, k, v: naive_attention(q, k, v, causal), q, k, v)
+        predicted = naive_saved_bytes(B, H, S, D, dtype, causal)
+        assert predicted == measured, (B, H, S, D, dtype, causal, predicted, measured)
+        # exactly one B*H*S*S matrix is kept (the probabilities), not scores and probabilities
+        assert measured < 3 * B * H * S * D * dtype.itemsize + 2 * B * H * S * S * dtype.itemsize
+
+
+def test_bench_attention_compiled_label():
+    out = run("bench_attention.py", "--impl", "compiled", "--d", "16", "--seq", "32", "--steps", "1",
+              "--warmup", "0", "--dtype", "fp32").stdout
+    cell = _bench_attention_table(out, "forward, ms")[(16, 32)]["compiled"]
+    rewrote = "Inductor rewrote the naive attention into SDPA" in out
+    assert rewrote or "no SDPA op in the profile" in out, out
+    assert cell.endswith("*") == rewrote, out  # the table's mark agrees with what the profiler saw
+
+
+def test_bench_attention_bad_input():
+    assert_bad_input("bench_attention.py", "--d", "0", says="--d values must be positive")
+    assert_bad_input("bench_attention.py", "--impl", "naive,bogus", says="unknown implementation 'bogus'")
+
+
+@gpu
+def test_bench_attention_oom_row_then_next_runs():
+    # 2% of an 80 GB GPU is 1.6 GiB; naive at S=16384 keeps an 8x16384x16384 bf16 matrix (4 GiB).
+    out = run("bench_attention.py", "--memory-fraction", "0.02", "--impl", "naive,flash", "--d", "64",
+              "--seq", "16384,1024", "--steps", "2", "--warmup", "1").stdout
+    fwd = _bench_attention_table(out, "forward, ms")
+    assert fwd[(64, 16384)]["naive"] == "OOM", out
+    float(fwd[(64, 1024)]["naive"].split("±")[0])  # the next configuration still ran
+    float(fwd[(64, 16384)]["flash"].split("±")[0])  # flash needs no S x S matrix: it fits
+    assert "first naive OOM, worked through" in out, out
+
+
+# --- 4. precision.py: IEEE accumulation, autocast capture, LayerNorm overflow
+
+def test_precision_cpu_sections_run():
+    # default sections (every one the machine supports); small models keep a GPU run short
+    proc = run("precision.py", "--model", "tiny", "--models", "tiny", "--steps", "2")
+    out = proc.stdout
+    for n, name in enumerate(("formats", "accumulate", "autocast", "layernorm", "tf32"), 1):
+        assert f"== {n}. {name}" in out, out
+    assert out.count("takeaway") >= 5, out
+    if not HAS_CUDA:
+        assert out.count("skipped: needs CUDA") == 2, out
+        assert "n/a (TF32 is CUDA-only)" in out, out
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_precision_accumulate_matches_ieee():
+    import numpy as np
+    from precision import accumulate, ulp
+
+    # fp16 accumulator: every step rounds to the nearest float16, exactly as numpy's float16 does
+    r = accumulate(0.01, 1000, torch.float16)
+    acc, x = np.float16(0), np.float16(0.01)
+    for _ in range(1000):
+        acc = np.float16(acc + x)
+    assert r["total"] == float(acc) and r["total"] != 10.0, (r, acc)
+    # fp32 accumulator fed fp16 addends: fp32 sums of the rounded addend, in either cast style
+    acc32 = np.float32(0)
+    for _ in range(1000):
+        acc32 = np.float32(acc32 + np.float32(x))
+    for cast in ("implicit", "explicit"):
+        r = accumulate(0.01, 1000, torch.float32, torch.float16, cast)
+        assert r["dtype"] == torch.float32 and r["total"] == float(acc32), (cast, r, acc32)
+    # a 1-element slice outranks the 0-dim fp32 sum in type promotion: the sum becomes fp16
+    r = accumulate(0.01, 1000, torch.float32, torch.float16, "slice")
+    assert r["dtype"] == torch.float16 and r["total"] == float(acc)
+    # 0.001 x 10000 in fp16 stalls, and at the stall the addend is at most half an ulp
+    r = accumulate(0.001, 10000, torch.float16)
+    acc = np.float16(0)
+    for _ in range(10000):
+        acc = np.float16(acc + np.float16(0.001))
+    assert r["total"] == float(acc) and r["stall_step"] is not None
+    assert float(np.float16(0.001)) <= ulp(r["stall_value"], torch.float16) / 2
+    assert float(np.spacing(acc)) == ulp(r["stall_value"], torch.float16)
+
+
+def test_precision_autocast_capture_cpu():
+    from precision import autocast_dtypes
+
+    seen = autocast_dtypes(torch.device("cpu"), torch.bfloat16)
+    assert seen["fc1 output"] == torch.bfloat16, seen
+    assert seen["grad of fc1 output"] == torch.bfloat16, seen
+    assert seen["fc1.weight inside context"] == torch.float32, seen
+    assert seen["fc1.weight.grad"] == torch.float32, seen
+    assert seen["loss (cross_entropy)"] == torch.float32, seen
+
+
+def test_precision_layernorm_fp16_overflow():
+    from precision import layernorm_case
+
+    big = layernorm_case(0.0, 1000.0)
+    assert big["fp16_overflow"] and not big["bf16_overflow"], big
+    assert big["max_x2"] > 65504
+    small = layernorm_case(0.0, 1.0)
+    assert not small["fp16_overflow"] and small["fp16_err"] < 0.05, small
+    proc = run("precision.py", "--only", "layernorm")
+    assert "overflow" in proc.stdout.split("fp16 x^2 > 65504")[1], proc.stdout
+
+
+def test_precision_bad_only():
+    assert_bad_input("precision.py", "--only", "nosuch", says="unknown section 'nosuch'")
+    assert_bad_input("precision.py", "--only", "formats,nosuch", says="choose from")
+
+
+@gpu
+def test_precision_gpu_sections():
+    proc = run("precision.py", "--only", "autocast,tf32,gradscaler", "--model", "tiny", "--batch", "4",
+               "--seq", "256", "--steps", "3")
+    out = proc.stdout
+    assert "autocast fp16 on cuda" in out and "skipped: needs CUDA" not in out, out
+    assert out.count("takeaway") >= 4 and "OOM" not in out, out
+    assert "GradScaler" in out, out
 
 
 def main():
