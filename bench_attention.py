@@ -33,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpt import SDPA_BACKENDS, fail, gib, mean_std, print_table, synchronize
+from gpt import SDPA_BACKENDS, fail, gib, mean_std, print_table, resolve_device, synchronize
 
 IMPLS = ("naive", "compiled", *SDPA_BACKENDS, "triton")
 SUITE_IMPLS = ("triton", "naive", *SDPA_BACKENDS)
@@ -474,11 +474,9 @@ def main():
     args = parser.parse_args()
 
     try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as e:
+        device = resolve_device(args.device)
+    except (RuntimeError, ValueError) as e:
         fail(str(e))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        fail(f"--device {args.device} was asked for but this machine has no CUDA GPU")
     suite = args.suite == "flash"
     defaults = (GPU_SUITE if suite else GPU_SWEEP) if device.type == "cuda" else (CPU_SUITE if suite else CPU_SWEEP)
     names = args.impl.split(",") if args.impl else list(SUITE_IMPLS if suite else IMPLS)

@@ -346,6 +346,8 @@ def resolve_device(name=None):
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name} was asked for but this machine has no CUDA GPU")
+    if device.type == "cuda" and device.index is None:  # memory APIs want an indexed device
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

@@ -423,10 +423,553 @@ def test_precision_gpu_sections():
     assert "GradScaler" in out, out
 
 
+# --- 5. bench_e2e.py: modes, compare, ladder, profile, OOM
+
+# One thread: on a small shared CPU box, PyTorch's thread pool spinning against other processes
+# makes these tiny steps tens of times slower.
+_BENCH_E2E_ENV = {"OMP_NUM_THREADS": "1"}
+_BENCH_E2E_FAST = ("--steps", 1, "--warmup", 0)
+
+
+def _bench_e2e_table(text, first_header):
+    """The aligned table whose header line starts with first_header, as a list of dicts (cells
+    cut at the positions of the dashes under the header), up to the next blank line."""
+    import re
+
+    lines = text.splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith(first_header))
+    spans = [m.span() for m in re.finditer(r"-+", lines[i + 1])]
+    headers = [lines[i][a:b].strip() for a, b in spans]
+    rows = []
+    for line in lines[i + 2:]:
+        if not line.strip():
+            break
+        rows.append(dict(zip(headers, (line[a:b].strip() for a, b in spans))))
+    return rows
+
+
+def test_bench_e2e_modes_compare_and_batch_sweep():
+    out = run("bench_e2e.py", "--model", "tiny", "--mode", "all", "--compare", "flash", "--batch", "1,2",
+              "--seq", 16, *_BENCH_E2E_FAST, env=_BENCH_E2E_ENV).stdout
+    assert out.splitlines()[0].startswith("device: CPU"), out
+    rows = [r for r in _bench_e2e_table(out, "config") if r["config"].startswith("tiny")]
+    assert len(rows) == 2 * 2 * 3, out  # variants x batches x modes
+    assert {r["mode"] for r in rows} == {"forward", "forward-backward", "train"}
+    for r in rows:
+        mean = float(r["ms (mean ± std, 1 steps)"].split("±")[0])
+        # tokens/s must be batch * seq over the mean step time (to the printed rounding)
+        expected = int(r["batch"]) * int(r["seq"]) / (mean / 1e3)
+        assert abs(float(r["tokens/s"].replace(",", "")) - expected) <= 0.01 * expected + 1, r
+        assert r["MFU"] == "n/a" and r["peak alloc (GiB)"] == "n/a", r  # no GPU: not faked
+        if "flash" in r["config"]:
+            assert r["speedup vs first config"].endswith("x") and float(r["speedup vs first config"][:-1]) > 0, r
+        else:
+            assert r["speedup vs first config"] == "1.00x", r
+    assert "speed of the first config" in out.strip().splitlines()[-1]
+
+
+def test_bench_e2e_warmup_study_vocab_and_gemm():
+    out = run("bench_e2e.py", "--d-model", 64, "--layers", 1, "--heads", 2, "--mode", "forward",
+              "--warmup", "0,1", "--vocab", "50257,50304", "--batch", 1, "--seq", 16, "--steps", 2,
+              env=_BENCH_E2E_ENV).stdout
+    rows = _bench_e2e_table(out, "config")
+    rows = [r for r in rows if r["config"].startswith("d64L1")]
+    assert "speedup vs first config" not in rows[0]  # only --compare adds it
+    assert sorted((r["config"].split("V=")[1], r["warm-up"]) for r in rows) == \
+        [("50257", "0"), ("50257", "1"), ("50304", "0"), ("50304", "1")], out
+    assert all(float(r["first ms"]) > 0 and float(r["max ms"]) >= float(r["first ms"]) for r in rows), out
+    gemm = _bench_e2e_table(out, "vocab")
+    by_vocab = {int(r["vocab"]): r for r in gemm}
+    assert {50257, 50304, 50432} <= set(by_vocab), out
+    assert by_vocab[50257]["vs 50257"] == "1.00x"
+    assert by_vocab[50304]["largest 2^k factor"] == "128" and by_vocab[50257]["largest 2^k factor"] == "1"
+
+
+def test_bench_e2e_profile_and_trace():
+    trace = os.path.join(tempfile.mkdtemp(), "step.json")
+    out = run("bench_e2e.py", "--model", "tiny", "--mode", "forward", "--attn", "naive", "--profile",
+              "--trace", trace, "--batch", 1, "--seq", 16, *_BENCH_E2E_FAST, env=_BENCH_E2E_ENV).stdout
+    assert "CPU time" in out  # says that on a CPU the profile is of CPU ops, not GPU kernels
+    for title in ("forward CPU ops", "train step CPU ops"):
+        ops = _bench_e2e_table(out[out.index(title):], "name")
+        assert len(ops) == 10 and all(r["name"] and r["calls/step"] for r in ops), out
+        shares = [float(r["share"][:-1]) for r in ops]
+        assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 100.5, out
+    assert any(r["name"] in ("aten::mm", "aten::addmm") for r in _bench_e2e_table(out, "name")), out
+    cats = {r["category"]: r for r in _bench_e2e_table(out, "category")}
+    assert {"matmul", "optimizer", "elementwise+norm"} <= set(cats), out
+    assert cats["optimizer"]["forward ms/step"] == "0.000"  # no AdamW in a forward pass
+    assert abs(sum(float(r["train step share"][:-1]) for r in cats.values()) - 100) < 0.5, out
+    stages = _bench_e2e_table(out, "stage")
+    assert [r["stage"] for r in stages] == ["attention scores", "softmax", "final matmul"], out
+    assert float(stages[1]["FLOP share"][:-1]) < float(stages[2]["FLOP share"][:-1])
+    import json
+
+    with open(trace) as f:
+        assert json.load(f)["traceEvents"]
+
+
+def test_bench_e2e_ladder_cpu_form():
+    out = run("bench_e2e.py", "--ladder", "--batch", 1, "--seq", 16, *_BENCH_E2E_FAST, env=_BENCH_E2E_ENV).stdout
+    rungs = _bench_e2e_table(out, "rung")
+    assert [r["rung (train step, B=1 T=16)"].split(",")[0] for r in rungs] == [
+        "fp32", "+ TF32 matmuls", "+ bf16 autocast", "+ SDPA flash attention", "+ vocab 50304",
+        "+ torch.compile"], out
+    timed = [r for r in rungs if not r["ms/step (mean ± std, 1 steps)"].startswith("skipped")]
+    skipped = [r for r in rungs if r not in timed]
+    assert len(timed) == 4 and len(skipped) == 2, out  # TF32 and compile need CUDA here
+    assert all(r["tokens/s"] == "-" for r in skipped)
+    assert timed[0]["vs fp32"] == "1.00x" and timed[0]["vs previous"] == "-"
+    assert all(float(r["vs fp32"][:-1]) > 0 for r in timed)
+    assert out.strip().splitlines()[-1].startswith("ladder:")
+
+
+def test_bench_e2e_bad_input():
+    assert_bad_input("bench_e2e.py", "--model", "huge", says="unknown model")
+    assert_bad_input("bench_e2e.py", "--model", "tiny", "--seq", 1000, says="above the block size")
+    assert_bad_input("bench_e2e.py", "--batch", 0, says="--batch must be at least 1")
+
+
+@gpu
+def test_bench_e2e_gpu_sweep():
+    out = run("bench_e2e.py", "--model", "tiny", "--batch", "4,8", "--seq", 128, "--compare", "bf16",
+              "--steps", 3, "--warmup", 1).stdout
+    rows = [r for r in _bench_e2e_table(out, "config") if r["config"].startswith("tiny")]
+    assert len(rows) == 2 * 2 * 3, out
+    for r in rows:
+        assert r["MFU"].endswith("%") and float(r["peak alloc (GiB)"]) > 0, r
+    peak = {(r["config"], r["batch"], r["mode"]): float(r["peak alloc (GiB)"]) for r in rows}
+    for config, batch, mode in peak:
+        # backward starts with every saved activation plus the logits' gradient alive, and a
+        # train step adds AdamW's state: peaks grow with the mode and with the batch
+        assert peak[(config, batch, "train")] >= peak[(config, batch, "forward-backward")] > peak[(config, batch, "forward")], out
+        assert peak[(config, "8", mode)] > peak[(config, "4", mode)], out
+
+
+@gpu
+def test_bench_e2e_gpu_oom_row_then_next_runs():
+    # B=256 T=256 needs ~13 GiB for the fp32 logits alone; 5% of an 80 GiB GPU is 4 GiB
+    out = run("bench_e2e.py", "--model", "tiny", "--mode", "forward", "--batch", "256,2", "--seq", 256,
+              "--memory-fraction", 0.05, "--steps", 2, "--warmup", 1).stdout
+    rows = {r["batch"]: r for r in _bench_e2e_table(out, "config") if r["config"].startswith("tiny")}
+    assert rows["256"]["ms (mean ± std, 2 steps)"] == "OOM", out
+    assert float(rows["2"]["ms (mean ± std, 2 steps)"].split("±")[0]) > 0, out
+    assert "1 OOM" in out.strip().splitlines()[-1]
+
+
+# --- 6. memory.py: accounting, residuals, checkpointing, max batch, parallel
+
+def _memory_tiny(B=1, T=16):
+    import memory
+    from gpt import GPT, make_config
+    torch.manual_seed(0)
+    cfg = make_config("tiny")
+    return memory, cfg, GPT(cfg), *memory.random_batch(cfg, B, T, "cpu")
+
+
+def test_memory_account_state_bytes():
+    """Parameters, gradients and AdamW state predicted from the config alone equal the bytes of
+    the real tensors after one AdamW step."""
+    from gpt import configure_optimizer
+    memory, cfg, model, x, y = _memory_tiny()
+    opt = configure_optimizer(model, lr=1e-3)
+    memory.train_step(model, opt, x, y, None, "cpu")
+    pred = memory.account(cfg, 1, 16, None, "cpu")["state"]
+    real = memory.tensor_state_bytes(model, opt)
+    assert list(pred.values()) == list(real), (pred, real)
+    assert pred["parameters"] == 4 * model.num_params()
+
+
+def test_memory_account_saved_activations():
+    """The per-layer formula (plus head) equals what saved_tensors_hooks see, fp32 and bf16,
+    SDPA and naive attention."""
+    memory, cfg, model, x, y = _memory_tiny(B=2, T=24)
+    for attn in ("sdpa", "naive"):
+        model.config.attn = attn
+        for dtype in (None, torch.bfloat16):
+            measured = memory.saved_bytes(model, lambda: model(x, y)[1], dtype, "cpu", model.parameters())
+            pred = memory.account(model.config, 2, 24, dtype, "cpu")["saved"]
+            assert pred == measured, (attn, dtype, pred, measured)
+
+
+def test_memory_residuals_rows_sum():
+    out = run("memory.py", "residuals", "--batch", "1", "--seq", "16").stdout
+    lines = out.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("---")) + 1
+    end = next(i for i, l in enumerate(lines) if l.startswith("block total (eager")) + 1
+    cells = [l.rsplit(None, 3) for l in lines[start:end]]
+    table = {c[0]: int(c[1].replace(",", "")) for c in cells}
+    total = table.pop("block total (eager, hooks)")
+    assert total > 0 and sum(table.values()) == total, (table, total)
+    assert any("Gelu" in k for k in table) and any("LayerNorm" in k for k in table), table
+
+
+def test_memory_checkpoint_grads_equal():
+    """Checkpointing groups of 3 blocks (4 layers: one full group, one partial) gives the plain
+    model's gradients."""
+    memory, cfg, model, x, y = _memory_tiny()
+    diff = memory.checkpoint_grads_match(model, 3, x, y, None, "cpu")
+    assert diff <= 1e-6, diff
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.h[0].parameters())
+    assert memory.group_sizes(48) == [1, 2, 4, 7, 8, 16, 32]
+
+
+def test_memory_parallel_worked_example():
+    import memory
+    n = 126 * 2 * 16384 * 53248
+    out = run("memory.py", "parallel").stdout
+    assert "219,848,638,464 parameters" in out and "3,518 GB" in out, out
+    assert f"{-(-n * 16 // (80 * 10**9))} GPUs of 80 GB" in out, out
+    assert f"N_FSDP = {-(-n * 16 // (95 * 10**9))} devices of 95 GB" in out, out
+    # per-device bytes: DP replicates 16 B/param, ZeRO-1/2/3 divide 8, then 8+4, then all 16 by N
+    for stage, sharded in enumerate((0, 8, 12, 16)):
+        assert memory.per_device_bytes(n, 8, stage) == n * (16 - sharded) + n * sharded / 8
+    assert memory.per_device_bytes(n, 4, 3, act_bytes=40, shard_acts=True) == n * 4 + 10
+    assert f"{memory.per_device_bytes(n, 8, 2) / 1e9:,.1f}" in out
+
+
+def test_memory_max_batch_fake_budget():
+    import memory
+    from gpt import make_config
+    cfg = make_config("gpt2")
+    peak = lambda B: memory.account(cfg, B, 1024, torch.bfloat16, "cuda")["peak"]
+    assert peak(6) > peak(5) > peak(1)
+    assert memory.predict_max_batch(cfg, 1024, torch.bfloat16, peak(5)) == 5
+    assert memory.predict_max_batch(cfg, 1024, torch.bfloat16, peak(37) - 1) == 36
+    assert memory.predict_max_batch(cfg, 1024, torch.bfloat16, peak(1) - 1) == 0
+    out = run("memory.py", "max-batch", "--model", "gpt2", "--seq", "1024", "--bf16",
+              "--budget-gib", f"{peak(12) / 2**30:.6f}").stdout
+    assert "predicted largest batch 12" in out, out
+
+
+def test_memory_bad_input():
+    assert_bad_input("memory.py", "nonsense", says="unknown part")
+    assert_bad_input("memory.py", "account", "--model", "tiny", "--seq", "4096", says="block size")
+
+
+@gpu
+def test_memory_peak_runs():
+    out = run("memory.py", "peak", "--model", "gpt2", "--batch", "2").stdout
+    assert out.count("gpt2 T=") >= 8 and "step peak GiB" in out, out
+
+
+@gpu
+def test_memory_snapshot_files():
+    with tempfile.TemporaryDirectory() as d:
+        out = run("memory.py", "snapshot", "--model", "gpt2", "--seq", "256", "--batch", "4",
+                  "--bf16", "--steps", "2", "--out", d).stdout
+        for name in ("snapshot.pickle", "summary.txt"):
+            assert os.path.getsize(os.path.join(d, name)) > 0, out
+        assert "backward" in out and "allocated at" in out, out
+
+
+@gpu
+def test_memory_account_matches_measured():
+    for flag in ([], ["--bf16"]):
+        out = run("memory.py", "account", "--model", "gpt2", "--seq", "256", "--batch", "4", *flag).stdout
+        line = [l for l in out.splitlines() if l.startswith("measured peak")][0]
+        err = float(line.rsplit("error ", 1)[1].rstrip("%"))
+        assert abs(err) <= 10, out
+
+
+def _memory_live_peaks(model, opt, x, y, dtype):
+    """Peak bytes of live tensor storages per phase of a second training step on the CPU,
+    tracked op by op with a dispatch mode (a stand-in for the CUDA allocator's statistics)."""
+    import weakref
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    import memory
+    live, state = {}, {"cur": 0, "peak": 0}
+
+    def track(t):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in live:
+            st = t.untyped_storage()
+            live[st.data_ptr()] = st.nbytes()
+            state["cur"] += st.nbytes()
+            state["peak"] = max(state["peak"], state["cur"])
+            weakref.finalize(st, lambda k=st.data_ptr(): state.__setitem__("cur", state["cur"] - live.pop(k, 0)))
+
+    class Tracker(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                track(t)
+            return out
+
+    peaks = {}
+
+    def mark(phase):
+        peaks[phase] = state["peak"]
+        state["peak"] = state["cur"]
+
+    with Tracker():
+        for t in [*model.parameters(), x, y] + [v for s in opt.state.values() for v in s.values()]:
+            track(t)
+        state["peak"] = state["cur"]
+        memory.train_step(model, opt, x, y, dtype, "cpu", marks=mark)
+    return peaks
+
+
+def test_memory_account_phases_match_live_bytes():
+    """The predicted forward-end and backward peaks equal the live tensor bytes of a real step,
+    once where the end of backward is the peak (16 B/param) and once the start (activations)."""
+    from gpt import configure_optimizer
+    phases = set()
+    for B, T, dtype in ((1, 32, None), (4, 64, torch.bfloat16)):
+        memory, cfg, model, x, y = _memory_tiny(B, T)
+        opt = configure_optimizer(model, lr=1e-3)
+        memory.train_step(model, opt, x, y, None, "cpu")  # the first step creates AdamW's state
+        peaks = _memory_live_peaks(model, opt, x, y, dtype)
+        pred = memory.account(cfg, B, T, dtype, "cpu")
+        backward = max(v for k, v in pred["totals"].items() if "backward" in k)
+        assert abs(peaks["forward"] / pred["totals"]["forward end"] - 1) < 0.002, (peaks, pred["totals"])
+        assert abs(peaks["backward"] / backward - 1) < 0.002, (peaks, pred["totals"])
+        phases.add(pred["peak_phase"])
+    assert phases == {"backward start", "backward end"}, phases
+
+
+# --- 7. ddp.py: DDP classes equal one process, sharded optimizer, all-reduce
+
+def test_ddp_wrappers_match_one_process():
+    """Every wrapper on 2 gloo ranks, each on its half of every batch, ends with the weights of one
+    process trained on the whole batch (recomputed here); ranks start from different seeds but
+    agree right after construction; the frozen layer stays put and the tied pair stays tied;
+    ShardedOptimizer (AdamW, weight decay, a group added after construction) equals plain AdamW
+    while each rank holds only part of the state."""
+    import ddp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "weights.pt")
+        run("ddp.py", "selftest", "--world", 2, "--backend", "gloo", "--timeout", 60, "--save", path,
+            timeout=240)
+        saved = torch.load(path)
+    assert set(saved["variants"]) == set(ddp.TOY_VARIANTS)
+    for name, v in saved["variants"].items():
+        tol = ddp.TOY_VARIANTS[name][-1]
+        initial, final = v["initial"], v["final"]
+        for key in initial[0]:
+            assert torch.equal(initial[0][key], initial[1][key]), f"{name}: ranks differ in {key} at start"
+        reference = ddp.ToyModel()
+        reference.load_state_dict(initial[0])
+        ddp.train_toy(reference, ddp.toy_optimizer(reference, v["optimizer"]), saved["steps"])
+        for rank, state in enumerate(final):
+            for key, w in reference.state_dict().items():
+                torch.testing.assert_close(state[key], w, atol=tol, rtol=0, msg=f"{name} rank {rank} {key}")
+            assert torch.equal(state["frozen.weight"], initial[0]["frozen.weight"]), name
+            assert torch.equal(state["out.weight"], state["embed.weight"]), name
+            assert not torch.equal(state["hidden.weight"], initial[0]["hidden.weight"]), f"{name} did not train"
+    held = saved["variants"]["sharded-adamw"]["state_held"]
+    trainable = sum(p.numel() for p in reference.parameters() if p.requires_grad)
+    assert sum(held) == trainable and max(held) < trainable, held
+
+
+def test_ddp_allreduce_tiny():
+    """The all-reduce table runs at tiny sizes on 2 gloo ranks; with 2 ranks the bus bandwidth
+    factor 2(n-1)/n is 1, so busbw equals algbw."""
+    proc = run("ddp.py", "allreduce", "--world", 2, "--backend", "gloo", "--sizes", "4K,64K", "--reps", 3,
+               "--warmup", 1, "--timeout", 60, timeout=180)
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("2 ")]
+    assert [r[1:3] for r in rows] == [["4", "KiB"], ["64", "KiB"]], proc.stdout
+    for r in rows:
+        ms, algbw, busbw = map(float, r[-3:])
+        assert ms > 0 and busbw == algbw
+    assert "2(n-1)/n" in proc.stdout and proc.stdout.splitlines()[-1].startswith("summary:")
+
+
+def test_ddp_benchmark_cpu_smoke():
+    """The benchmark runs each chosen wrapper and torch's DDP in one run and prints a row each."""
+    proc = run("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--variants", "local,torch,bucket,sharded",
+               "--steps", 1, "--warmup", 0, "--seq", 16, "--timeout", 60, timeout=240)
+    lines = proc.stdout.splitlines()
+    for label in ("local (no comm)", "torch DDP", "BucketDDP", "BucketDDP bf16 comm", "BucketDDP + ShardedOpt"):
+        row = next((line for line in lines if line.startswith(label + "  ")), None)
+        assert row is not None, f"no row for {label}:\n{proc.stdout}"
+        step_ms = float(row[len(label):].split()[4])
+        assert step_ms > 0
+    assert lines[-1].startswith("summary: BucketDDP"), lines[-1]
+
+
+def test_ddp_bad_launch_args():
+    assert_bad_input("ddp.py", "benchmark", "--world", "0", says="--world must be at least 1")
+    assert_bad_input("ddp.py", "allreduce", "--sizes", "3B", says="not a whole number")
+    if HAS_CUDA:
+        n = torch.cuda.device_count()
+        assert_bad_input("ddp.py", "benchmark", "--world", n + 1, says=f"more than the {n} GPUs")
+    else:
+        assert_bad_input("ddp.py", "selftest", "--backend", "nccl", says="nccl needs CUDA")
+
+
+@gpu
+def test_ddp_selftest_nccl():
+    """The same agreement on GPUs over NCCL (ReduceOp.AVG, CUDA streams); the script compares
+    against a one-process run on the same GPU and exits 1 on any mismatch."""
+    world = min(2, torch.cuda.device_count())
+    proc = run("ddp.py", "selftest", "--world", world, "--backend", "nccl", "--timeout", 120, timeout=300)
+    assert "7 of 7 variants match" in proc.stdout, proc.stdout
+
+
+@gpu
+def test_ddp_benchmark_gpu_smoke():
+    """The GPU paths of the benchmark (CUDA events, memory figures, fused AdamW, torch's bf16
+    hook) run for every variant on a small model; every row has numbers, none OOM."""
+    world = min(2, torch.cuda.device_count())
+    proc = run("ddp.py", "benchmark", "--world", world, "--model", "tiny", "--batch", 2, "--seq", 64,
+               "--steps", 2, "--warmup", 1, "--timeout", 120, timeout=300)
+    table = proc.stdout.split("-----")[-1]
+    assert "OOM" not in table and "n/a" not in table.split("median over steps")[0], proc.stdout
+    assert "BucketDDP bf16 comm" in proc.stdout and "torch DDP bf16 comm" in proc.stdout
+
+
+# --- 8. flash_triton.py: kernels vs float64 reference (interpreter on the CPU), determinism
+
+def _flash_interpreted(code, timeout=300):
+    """Run `code` in a fresh Python with TRITON_INTERPRET=1 set before triton is imported (this
+    process may already have imported triton without it); return its stdout."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+# Checks shared by the CPU (interpreter) and GPU tests: O, L, dQ, dK, dV from the Triton kernels
+# and from FlashAttentionTorch against a float64 softmax(QK^T)V written out here.
+_FLASH_CHECK = r'''
+def naive(q, k, v, causal, scale):
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    return s.softmax(-1) @ v, s.logsumexp(-1)
+
+def err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+worst = 0.0
+for dtype, tol in DTYPES:
+    # exact fp32 kernels compile slowly (unrolled FMA dots): the first two shapes suffice there
+    for shape_q, shape_k, causal in SHAPES[:2] if dtype == torch.float32 else SHAPES:
+        gen = torch.Generator(device=DEVICE).manual_seed(1)
+        q = torch.randn(shape_q, generator=gen, device=DEVICE).to(dtype)
+        k, v = (torch.randn(shape_k, generator=gen, device=DEVICE).to(dtype) for _ in range(2))
+        do = torch.randn(shape_q, generator=gen, device=DEVICE).to(dtype)
+        scale = 0.3 if len(shape_q) == 3 else None  # also exercise an explicit scale
+        s = shape_q[-1] ** -0.5 if scale is None else scale
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        o_ref, lse_ref = naive(*leaves, causal, s)
+        g_ref = torch.autograd.grad(o_ref, leaves, do.double())
+        # the public function, both layouts; fp32 with exact dots
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = ft.flash_attention(*leaves, causal=causal, scale=scale, precision="ieee")
+        g = torch.autograd.grad(o, leaves, do)
+        g2 = torch.autograd.grad(ft.flash_attention(*leaves, causal=causal, scale=scale, precision="ieee"), leaves, do)
+        assert all(torch.equal(a, b) for a, b in zip(g, g2)), "backward is not deterministic"
+        # L from the forward launcher on the 4-D view
+        q4, k4, v4 = (t if t.dim() == 4 else t.unsqueeze(1) for t in (q, k, v))
+        _, lse = ft.flash_forward(q4, k4, v4, causal, s, "ieee")
+        lse = lse if len(shape_q) == 4 else lse.squeeze(1)
+        # the tiled PyTorch reference
+        o_t = ft.FlashAttentionTorch.apply(q4, k4, v4, causal, s)
+        o_t = o_t if len(shape_q) == 4 else o_t.squeeze(1)
+        errs = [err(o, o_ref), err(lse, lse_ref), *(err(a, b) for a, b in zip(g, g_ref)), err(o_t, o_ref)]
+        print(dtype, shape_q, shape_k, causal, " ".join(f"{e:.1e}" for e in errs))
+        assert max(errs) < tol, (dtype, shape_q, shape_k, causal, errs)
+        worst = max(worst, max(errs))
+print("worst", worst)
+'''
+
+# torch.autograd in FlashAttentionTorch's backward is checked through gradients too:
+_FLASH_TORCH_GRADS = r'''
+import torch, flash_triton as ft
+gen = torch.Generator().manual_seed(2)
+q, k, v, do = (torch.randn(1, 2, 37, 16, generator=gen, dtype=torch.float64) for _ in range(4))
+for causal in (True, False):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    g = torch.autograd.grad(ft.FlashAttentionTorch.apply(*leaves, causal, 0.25), leaves, do)
+    o_ref, _ = ft.naive_reference(*leaves, causal, 0.25)
+    g_ref = torch.autograd.grad(o_ref, leaves, do)
+    assert all(torch.allclose(a.double(), b, rtol=1e-4, atol=1e-5) for a, b in zip(g, g_ref)), causal  # fp32 inside
+print("torch reference ok")
+'''
+
+
+def test_flash_interpreter_matches_reference():
+    # head dims 16/32/64, ragged lengths (37, 100), Nq != Nk, both layouts, causal and not
+    shapes = "[((1, 2, 37, 16), (1, 2, 37, 16), True), ((2, 40, 32), (2, 100, 32), False), " \
+             "((1, 1, 100, 64), (1, 1, 100, 64), True), ((1, 24, 16), (1, 24, 16), True)]"
+    out = _flash_interpreted("import math, torch\nimport flash_triton as ft\nDEVICE = 'cpu'\n"
+                             "DTYPES = [(torch.float32, 1e-5), (torch.float16, 5e-3)]\n"
+                             f"SHAPES = {shapes}\n" + _FLASH_CHECK)
+    assert "worst" in out, out
+
+
+def test_flash_torch_reference_gradients():
+    assert "torch reference ok" in _flash_interpreted(_FLASH_TORCH_GRADS)
+
+
+def test_flash_script_cpu():
+    proc = run("flash_triton.py", env={"TRITON_INTERPRET": "1"}, timeout=300)
+    first = proc.stdout.splitlines()[0]
+    assert "TRITON_INTERPRET=1" in first or "interpreter" in first.lower(), first
+    assert "passed" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+def test_flash_bad_input():
+    assert_bad_input("flash_triton.py", "--head-dims", "48", says="head dim 48")
+    out = _flash_interpreted(r'''
+import torch, flash_triton as ft
+cases = [
+    ((torch.randn(1, 2, 8, 48),) * 3, {}, "head dim 48"),
+    ((torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16).half(), torch.randn(1, 2, 8, 16)), {}, "dtype"),
+    ((torch.randn(1, 2, 8, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)), {"causal": True}, "causal"),
+    ((torch.randn(8, 16),) * 3, {}, "(batch, seq, d)"),
+    ((torch.randn(1, 2, 8, 16),) * 3, {"precision": "fp8"}, "precision"),
+    ((torch.randn(1, 2, 8, 16).double(),) * 3, {}, "dtype"),
+]
+for args, kw, says in cases:
+    try:
+        ft.flash_attention(*args, **kw)
+    except ValueError as e:
+        assert says in str(e), (says, str(e))
+    else:
+        raise AssertionError(f"no error for {says}")
+print("errors ok")
+''')
+    assert "errors ok" in out
+
+
+@gpu
+def test_flash_gpu_matches_reference():
+    shapes = "[((2, 4, 1024, 64), (2, 4, 1024, 64), True), ((1, 3, 517, 32), (1, 3, 781, 32), False), " \
+             "((2, 1000, 128), (2, 1000, 128), True), ((1, 2, 300, 16), (1, 2, 300, 16), True)]"
+    code = (f"import math, torch\nimport flash_triton as ft\nDEVICE = 'cuda'\nSHAPES = {shapes}\n"
+            "DTYPES = [(torch.float32, 1e-4), (torch.float16, 5e-3), (torch.bfloat16, 3e-2)]\n" + _FLASH_CHECK)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "worst" in proc.stdout
+
+
+@gpu
+def test_flash_train_matches_sdpa():
+    def losses(attn):
+        proc = run("train.py", "--model", "tiny", "--attn", attn, "--steps", "8", "--batch", "4", "--seq", "128",
+                   "--bf16", "--device", "cuda", timeout=600)
+        values = [float(line.split("loss")[1].split()[0].strip(":=,")) for line in proc.stdout.splitlines()
+                  if line.startswith("step") and "| loss" in line]
+        assert values, proc.stdout[-2000:]
+        return values
+
+    ours, ref = losses("triton"), losses("sdpa")
+    assert len(ours) == len(ref)
+    assert all(abs(a - b) < 0.05 * abs(b) + 0.02 for a, b in zip(ours, ref)), (ours, ref)
+
+
 def main():
     tests = [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]
-    only = sys.argv[1:]  # optional substrings to select tests: python test_all.py tokenizer
+    # optional: --gpu-only, and substrings that select tests (python test_all.py tokenizer train_)
+    gpu_only = "--gpu-only" in sys.argv
+    only = [a for a in sys.argv[1:] if a != "--gpu-only"]
     tests = [(n, f) for n, f in tests if not only or any(s in n for s in only)]
+    tests = [(n, f) for n, f in tests if not gpu_only or getattr(f, "needs_cuda", False)]
     passed = failed = skipped = 0
     for name, test in tests:
         if getattr(test, "needs_cuda", False) and not HAS_CUDA:
