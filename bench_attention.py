@@ -19,11 +19,19 @@ pinned to one backend, so a backend that cannot run the input is n/a instead of 
 back), triton (flash_attention from flash_triton.py). On a CPU the defaults shrink to a tiny
 sweep that finishes in seconds.
 
-Output excerpt: to be filled from the H100 run.
+Output excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-22; `--steps 30`, D=64 rows of the forward table):
+
+    forward, ms (mean ± std of 30)
+    D    S      naive        compiled      flash        cudnn        efficient    math          triton
+    ---  -----  -----------  ------------  -----------  -----------  -----------  ------------  -----------
+    64     256  0.250±0.057  0.289±0.082*  0.153±0.030  0.179±0.030  0.125±0.024   0.507±0.061  0.205±0.058
+    64    1024  0.226±0.054  0.335±0.080*  0.165±0.028  0.176±0.032  0.083±0.016   0.573±0.077  0.105±0.024
+    64    4096  0.810±0.015  0.425±0.037*  0.141±0.024  0.148±0.022  0.283±0.031   2.408±0.062  0.181±0.024
+    64    8192  3.580±0.038  0.847±0.807*  0.458±0.024  0.296±0.028  1.098±0.027  10.026±0.086  0.311±0.048
+    64   16384  9.860±0.059  1.145±0.064*  1.789±0.038  1.142±0.038  4.172±0.046  37.320±0.397  1.192±0.055
 """
 
 import argparse
-import gc
 import math
 import os
 import re
@@ -33,7 +41,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpt import SDPA_BACKENDS, fail, gib, mean_std, print_table, resolve_device, synchronize
+from gpt import (SDPA_BACKENDS, fail, free_memory, gib, is_oom, mean_std, print_table, resolve_device,
+                 synchronize)
 
 IMPLS = ("naive", "compiled", *SDPA_BACKENDS, "triton")
 SUITE_IMPLS = ("triton", "naive", *SDPA_BACKENDS)
@@ -153,11 +162,13 @@ def measure_saved_bytes(fn, *inputs):
 
 def naive_peak_bytes(B, H, S, D, dtype, causal):
     """Allocated bytes above the inputs at naive attention's high-water mark, which is in
-    backward: the saved probabilities, their gradient (dout @ v^T) and the softmax backward's
-    output (the score gradient) are three B*H*S*S tensors alive at once, plus the output, dv
-    and the mask. (Forward peaks at two: scores and probabilities.)"""
+    backward: the saved probabilities, their gradient (dout @ v^T), the softmax backward's output
+    (the score gradient) and that gradient times the scale (the mul's backward makes a new
+    tensor) are four B*H*S*S tensors alive at once, plus the output, dv and the mask. Four is
+    what the H100 sweep measured (non-causal); with three, the prediction fell short by one S*S
+    matrix. (Forward peaks at two: scores and probabilities.)"""
     e = dtype.itemsize
-    return 3 * B * H * S * S * e + 2 * B * H * S * D * e + (S * S if causal else 0)
+    return 4 * B * H * S * S * e + 2 * B * H * S * D * e + (S * S if causal else 0)
 
 
 # --- 3. measuring one configuration: time (CUDA events) and memory (allocator)
@@ -238,14 +249,6 @@ def measure(fn, impl, B, H, S, D, dtype, device, steps, warmup):
     return result
 
 
-def is_oom(error):
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
-
-
-def free_memory(device):
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def guarded(work, device):
@@ -255,7 +258,7 @@ def guarded(work, device):
         cell = work()
     except Exception as e:
         cell = "OOM" if is_oom(e) else ("n/a", f"{type(e).__name__}: {str(e).strip().splitlines()[0][:150]}")
-    free_memory(device)
+    free_memory()
     return cell
 
 
@@ -365,8 +368,8 @@ def print_first_oom(results, args, dtype, device):
         S *= 2
     print(f"first naive OOM, worked through: {torch.cuda.get_device_name(device)} has {gib(total)} GiB"
           f"{' under --memory-fraction' if args.memory_fraction else ''}. At B={B} H={H} D={D} S={S} one B·H·S²"
-          f" {args.dtype} matrix is {B}·{H}·{S}²·{e} B = {gib(B * H * S * S * e)} GiB; backward holds three at once"
-          f" (probs, dprobs, dscores) plus q,k,v,dout,out,dv: {gib(need(S))} GiB > {gib(total)} GiB."
+          f" {args.dtype} matrix is {B}·{H}·{S}²·{e} B = {gib(B * H * S * S * e)} GiB; backward holds four at once"
+          f" (probs, dprobs, dscores, dscores·scale) plus q,k,v,dout,out,dv: {gib(need(S))} GiB > {gib(total)} GiB."
           f" S={S // 2} needs {gib(need(S // 2))} GiB and fits: half the length, a quarter of the memory.")
     measured = [(D_, S_) for (D_, S_), row in results.items() if row.get("naive") == "OOM"]
     print(f"measured: naive ran out of memory at {', '.join(f'D={d} S={s}' for d, s in measured)}" if measured

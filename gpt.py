@@ -397,6 +397,22 @@ def print_table(headers, rows):
             print("  ".join("-" * w for w in widths))
 
 
+def is_oom(error):
+    """True for out-of-memory errors, including those cuBLAS and some kernels raise as a plain
+    RuntimeError."""
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def free_memory():
+    """Return cached GPU memory after a configuration (or an OOM): collect the Python cycles that
+    keep tensors alive, then release the caching allocator's free blocks."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def gib(nbytes):
     return f"{nbytes / 2**30:.2f}"
 

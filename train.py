@@ -11,7 +11,11 @@ its backends, our Triton kernel), --vocab 50304 (a tensor-core-friendly vocabula
     python train.py --steps 40 --ckpt run.pt --stop-after 20; python train.py --steps 40 --ckpt run.pt --resume
 
 On a machine without CUDA the same command trains the `tiny` preset on a short context.
-Excerpt: to be filled from the H100 run.
+Excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-22; `--vocab 50304 --bf16 --compile`, defaults otherwise):
+
+    step   199 | loss 4.7545 | lr 6.00e-05 | norm 0.873 | dt    38.6 ms |    424,582 tok/s | MFU 36.7% | mem 11.51 GiB
+    step   199 | val loss 5.6427
+    summary: median step 38.7 ms over steps 10-199 | 423,771 tok/s | MFU 36.6% | peak mem 11.51 GiB
 """
 
 import argparse
