@@ -228,6 +228,15 @@ def test_train_bad_input():
         assert_bad_input("train.py", "--device", "cuda", says="no CUDA GPU")
 
 
+def test_train_stops_on_nan_loss():
+    proc = run("train.py", "--device", "cpu", "--lr", "1e9", "--warmup", "1", "--steps", "10", "--batch", "2",
+               "--seq", "32", check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("stopped: loss is") and "at step" in last and "learning rate" in last, last
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_train_missing_input_txt():
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("gpt.py", "train.py"):

@@ -259,9 +259,10 @@ def train(args, config, rank, world, device):
             hint = "fp16 overflow without loss scaling" if args.fp16 else "a learning rate too high for this model"
             raise FloatingPointError(f"loss is {loss} at step {step}; likely cause: {hint} (--lr {args.lr})")
         log(step_line(step, loss, lr, norm.item(), dt, tokens_per_step, flops_per_step, device))
-        if (step + 1) % args.eval_every == 0 or step + 1 == last:
-            log(f"step {step:5d} | val loss {val_loss(raw_model, val, args, device, dtype):.4f}")
-            if args.ckpt and rank == 0:
+        if rank == 0 and ((step + 1) % args.eval_every == 0 or step + 1 == last):
+            # rank 0 alone: the weights are identical on every rank, and eval uses no collective
+            print(f"step {step:5d} | val loss {val_loss(raw_model, val, args, device, dtype):.4f}")
+            if args.ckpt:
                 save_checkpoint(args.ckpt, raw_model, optimizer, scaler, step + 1, pos, args)
     log(summary_line(times, tokens_per_step, flops_per_step, device))
     if args.sample and rank == 0:
