@@ -21,12 +21,12 @@ Output excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11
 
     rung (train step, B=16 T=1024)      ms/step (mean ± std, 10 steps)  tokens/s  vs previous  vs fp32  MFU    peak alloc (GiB)
     ----------------------------------  ------------------------------  --------  -----------  -------  -----  ----------------
-    fp32, naive attention, vocab 50257                     388.1 ± 0.4    42,216            -    1.00x   3.6%             31.84
-    + TF32 matmuls                                         183.9 ± 0.2    89,085        2.11x    2.11x   7.7%             31.84
-    + bf16 autocast                                        163.1 ± 0.5   100,483        1.13x    2.38x   8.7%             29.55
-    + SDPA flash attention                                  76.1 ± 2.1   215,167        2.14x    5.10x  18.6%             16.04
-    + vocab 50304                                           50.1 ± 0.4   327,153        1.52x    7.75x  28.3%             16.05
-    + torch.compile                                         38.3 ± 0.4   428,033        1.31x   10.14x  37.0%             11.51
+    fp32, naive attention, vocab 50257                     388.4 ± 0.2    42,180            -    1.00x   3.6%             31.84
+    + TF32 matmuls                                         184.1 ± 0.3    88,990        2.11x    2.11x   7.7%             31.84
+    + bf16 autocast                                        163.0 ± 0.6   100,495        1.13x    2.38x   8.7%             29.55
+    + SDPA flash attention                                  75.6 ± 0.5   216,752        2.16x    5.14x  18.7%             16.04
+    + vocab 50304                                           50.1 ± 0.3   327,005        1.51x    7.75x  28.3%             16.05
+    + torch.compile                                         37.5 ± 0.4   436,881        1.34x   10.36x  37.8%              9.98
 """
 
 import argparse
@@ -183,8 +183,6 @@ def time_steps(mode, bench, x, y, warmup, steps, nvtx):
         end.record()
     synchronize(x.device)
     return [start.elapsed_time(end) for start, end in events], torch.cuda.max_memory_allocated(x.device)
-
-
 
 
 def build(config, variant, device):

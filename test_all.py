@@ -83,6 +83,8 @@ def test_forward_shapes_and_initial_loss():
     assert logits.shape == (2, 16, 50304)
     assert abs(loss.item() - math.log(50304)) < 0.5  # near-uniform predictions at init
     assert model(idx)[1] is None
+    # with targets the loss carries the graph and the logits come back detached (see GPT.forward)
+    assert loss.requires_grad and not logits.requires_grad
     for name, p in model.named_parameters():  # residual projections get the scaled init
         if name.endswith("c_proj.weight"):
             assert abs(p.std().item() - 0.02 / math.sqrt(2 * config.n_layer)) < 0.003, name
@@ -182,6 +184,8 @@ def test_train_cpu_lowers_val_loss():
     losses, vals, out = train_lines("--steps", "30", "--eval-every", "10", "--eval-steps", "4")
     assert out.startswith("device: cpu"), out[:200]
     assert len(losses) == 30 and len(vals) == 3
+    steps = [int(ln.split("|")[0].split()[1]) for ln in out.splitlines() if "| loss" in ln]
+    assert steps == list(range(30)), steps  # one line per step, in order, none lost to the pipelining
     assert vals[-1] < vals[0] - 0.5, vals
     assert "summary: median step" in out
 
@@ -234,6 +238,10 @@ def test_train_stops_on_nan_loss():
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("stopped: loss is") and "at step" in last and "learning rate" in last, last
+    # the step it names is the first non-finite one: every step before it printed a finite loss
+    bad_step = int(last.split("at step")[1].split(";")[0])
+    finite = [float(ln.split("|")[1].split()[1]) for ln in proc.stdout.splitlines() if "| loss" in ln]
+    assert len(finite) == bad_step and all(math.isfinite(v) for v in finite), proc.stdout[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr
 
 

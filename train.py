@@ -3,7 +3,8 @@
 Each flag is one of the speed-ups the other scripts measure: --tf32 (fp32 matmuls on the tensor
 cores), --bf16 / --fp16 (autocast mixed precision; fp16 needs a GradScaler), --attn (naive, SDPA or
 its backends, our Triton kernel), --vocab 50304 (a tensor-core-friendly vocabulary) and --compile
-(torch.compile fuses the elementwise work between the matmuls). Multi-GPU: torchrun.
+(torch.compile fuses the elementwise work between the matmuls). Multi-GPU: torchrun. The loop itself
+never makes the GPU wait: a step's loss is read back while the GPU runs the next one (StepLog).
 
     python train.py --vocab 50304 --bf16 --compile                 # the headline run
     python train.py --vocab 50304 --bf16 --compile --sample 200    # and print a sample
@@ -13,9 +14,10 @@ its backends, our Triton kernel), --vocab 50304 (a tensor-core-friendly vocabula
 On a machine without CUDA the same command trains the `tiny` preset on a short context.
 Excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-22; `--vocab 50304 --bf16 --compile`, defaults otherwise):
 
-    step   199 | loss 4.7545 | lr 6.00e-05 | norm 0.873 | dt    38.6 ms |    424,582 tok/s | MFU 36.7% | mem 11.51 GiB
-    step   199 | val loss 5.6427
-    summary: median step 38.7 ms over steps 10-199 | 423,771 tok/s | MFU 36.6% | peak mem 11.51 GiB
+    step   198 | loss 5.0654 | lr 6.02e-05 | norm 0.738 | dt    37.0 ms |    442,368 tok/s | MFU 38.2% | mem 9.98 GiB
+    step   199 | loss 4.7736 | lr 6.00e-05 | norm 0.866 | dt    37.1 ms |    441,770 tok/s | MFU 38.2% | mem 9.98 GiB
+    step   199 | val loss 5.6583
+    summary: median step 36.4 ms over steps 10-199 | 449,591 tok/s | MFU 38.9% | peak mem 9.98 GiB
 """
 
 import argparse
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt import (GPT, GPT2_VOCAB, amp_dtype, autocast, configure_optimizer, fail, flops_per_token,
-                 gpt2_tokenizer, load_tokens, make_config, mfu, resolve_device, set_tf32, synchronize)
+                 gpt2_tokenizer, load_tokens, make_config, mfu, resolve_device, set_tf32)
 
 # --- 1. command line
 
@@ -225,61 +227,122 @@ def train(args, config, rank, world, device):
     log(f"model {args.model}: {raw_model.num_params():,} parameters | {tokens_per_step:,} tokens per step "
         f"(batch {B} x seq {T} x accum {accum} x {world} process{'es' * (world > 1)})")
     last = min(args.steps, args.stop_after or args.steps)
-    times = []
+    nan_hint = "fp16 overflow without loss scaling" if args.fp16 else f"a learning rate too high (--lr {args.lr})"
+    steps = StepLog(tokens_per_step, flops_per_step, device, nan_hint, log)
     for step in range(step, last):
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            # DDP all-reduces gradients during backward; skip it on all but the last micro-step
-            sync = micro == accum - 1 or world == 1
-            with nullcontext() if sync else model.no_sync():
-                x, y = get_batch(train_tokens, pos + rank * B * T, B, T, device)
-                pos = next_position(pos, B * T * world, len(train_tokens))
-                with autocast(device, dtype):
-                    _, loss = model(x, y)
-                scaler.scale(loss / accum).backward()
-                loss_sum += loss.detach() / accum
-        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf"))
+        batches = []
+        for _ in range(accum):
+            batches.append(get_batch(train_tokens, pos + rank * B * T, B, T, device))
+            pos = next_position(pos, B * T * world, len(train_tokens))
         lr = lr_at(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        if world > 1:
-            dist.all_reduce(loss_sum)
-            loss_sum /= world
-        loss = loss_sum.item()  # waits for the GPU: the step is done when this returns
-        synchronize(device)
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        if not math.isfinite(loss):
-            hint = "fp16 overflow without loss scaling" if args.fp16 else "a learning rate too high for this model"
-            raise FloatingPointError(f"loss is {loss} at step {step}; likely cause: {hint} (--lr {args.lr})")
-        log(step_line(step, loss, lr, norm.item(), dt, tokens_per_step, flops_per_step, device))
-        if rank == 0 and ((step + 1) % args.eval_every == 0 or step + 1 == last):
-            # rank 0 alone: the weights are identical on every rank, and eval uses no collective
-            print(f"step {step:5d} | val loss {val_loss(raw_model, val, args, device, dtype):.4f}")
-            if args.ckpt:
-                save_checkpoint(args.ckpt, raw_model, optimizer, scaler, step + 1, pos, args)
-    log(summary_line(times, tokens_per_step, flops_per_step, device))
+        loss, norm = train_step(model, optimizer, scaler, batches, lr, dtype, args.grad_clip, world)
+        steps.queue(step, lr, loss, norm)  # prints the previous step's line while the GPU runs this one
+        if (step + 1) % args.eval_every == 0 or step + 1 == last:
+            steps.finish()  # val loss and the checkpoint must see this step's weights
+            if rank == 0:
+                # rank 0 alone: the weights are identical on every rank, and eval uses no collective
+                print(f"step {step:5d} | val loss {val_loss(raw_model, val, args, device, dtype):.4f}")
+                if args.ckpt:
+                    save_checkpoint(args.ckpt, raw_model, optimizer, scaler, step + 1, pos, args)
+            steps.restart_clock()  # evaluation is not part of the next step's time
+    log(steps.summary())
     if args.sample and rank == 0:
         print_sample(raw_model, args.sample, device, dtype)
 
 
-def step_line(step, loss, lr, norm, dt, tokens, flops, device):
-    return (f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f} | dt {dt * 1e3:7.1f} ms | "
-            f"{tokens / dt:10,.0f} tok/s | MFU {fmt_mfu(flops / dt, device)} | mem {fmt_mem(device)}")
+def train_step(model, optimizer, scaler, batches, lr, dtype, grad_clip, world):
+    """One optimizer step over the micro-batches (x, y) with autocast to `dtype`. It only queues
+    GPU work and returns the mean loss and the grad norm as GPU tensors: nothing here waits."""
+    device, accum = batches[0][0].device, len(batches)
+    loss_sum = torch.zeros((), device=device)
+    for micro, (x, y) in enumerate(batches):
+        # DDP all-reduces gradients during backward; skip it on all but the last micro-step
+        sync = micro == accum - 1 or world == 1
+        with nullcontext() if sync else model.no_sync():
+            with autocast(device, dtype):
+                _, loss = model(x, y)
+            scaler.scale(loss / accum).backward()
+        loss_sum += loss.detach() / accum
+    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if world > 1:
+        dist.all_reduce(loss_sum)
+        loss_sum /= world
+    return loss_sum, norm
 
 
-def summary_line(times, tokens, flops, device):
-    """Median step time once the first steps (compilation, cuDNN/cuBLAS warm-up) are behind us."""
-    skip = min(10, len(times) // 2)
-    median = statistics.median(times[skip:])
-    return (f"summary: median step {median * 1e3:.1f} ms over steps {skip}-{len(times) - 1} | "
-            f"{tokens / median:,.0f} tok/s | MFU {fmt_mfu(flops / median, device)} | peak mem {fmt_mem(device)}")
+class StepLog:
+    """A line per step that never makes the GPU wait for the host.
+
+    `loss.item()` would block until everything queued has run, leaving the GPU idle while the host
+    prints and then queues the next step's first kernels. Instead each step's loss and grad norm
+    are copied to (pinned) host memory without blocking, followed by an event, and step k's line
+    is printed once step k+1 is queued: the host waits for step k alone while the GPU runs k+1.
+    Step times are read off those events, on the GPU's own timeline: from the end of one step to
+    the end of the next, so any time the GPU sat idle waiting for the host is counted."""
+
+    def __init__(self, tokens_per_step, flops_per_step, device, nan_hint, log):
+        self.tokens, self.flops, self.device = tokens_per_step, flops_per_step, device
+        self.nan_hint, self.log = nan_hint, log
+        self.times, self.pending = [], None
+        self.restart_clock()
+
+    def restart_clock(self):
+        """Time the next step from here: what ran since the last step (evaluation) is not counted."""
+        self.last_end = timestamp(self.device)
+
+    def queue(self, step, lr, loss, norm):
+        values = torch.stack([loss.float(), norm.float()]).to("cpu", non_blocking=True)
+        previous, self.pending = self.pending, (step, lr, values, self.last_end, timestamp(self.device))
+        self.last_end = self.pending[-1]
+        if previous is not None:
+            self.print_line(*previous)
+
+    def finish(self):
+        """Wait for the last queued step and print its line."""
+        if self.pending is not None:
+            self.print_line(*self.pending)
+            self.pending = None
+
+    def print_line(self, step, lr, values, start, end):
+        dt = seconds_between(start, end)  # waits for `end`, and so for `values`
+        self.times.append(dt)
+        loss, norm = values.tolist()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}; likely cause: {self.nan_hint}")
+        self.log(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f} | dt {dt * 1e3:7.1f} ms | "
+                 f"{self.tokens / dt:10,.0f} tok/s | MFU {fmt_mfu(self.flops / dt, self.device)} | "
+                 f"mem {fmt_mem(self.device)}")
+
+    def summary(self):
+        """Median step time once the first steps (compilation, cuDNN/cuBLAS warm-up) are behind us."""
+        skip = min(10, len(self.times) // 2)
+        median = statistics.median(self.times[skip:])
+        return (f"summary: median step {median * 1e3:.1f} ms over steps {skip}-{len(self.times) - 1} | "
+                f"{self.tokens / median:,.0f} tok/s | MFU {fmt_mfu(self.flops / median, self.device)} | "
+                f"peak mem {fmt_mem(self.device)}")
+
+
+def timestamp(device):
+    """A point on the device's timeline: on a GPU an event queued behind the work already queued
+    (it fires when the GPU gets there); on the CPU, where ops run as they are called, the clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds_between(start, end):
+    if isinstance(end, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def fmt_mfu(flops_per_s, device):
