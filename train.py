@@ -298,8 +298,9 @@ class StepLog:
 
     def queue(self, step, lr, loss, norm):
         values = torch.stack([loss.float(), norm.float()]).to("cpu", non_blocking=True)
-        previous, self.pending = self.pending, (step, lr, values, self.last_end, timestamp(self.device))
-        self.last_end = self.pending[-1]
+        end = timestamp(self.device)  # queued after the copy: once it fires, `values` is on the host
+        previous, self.pending = self.pending, (step, lr, values, self.last_end, end)
+        self.last_end = end
         if previous is not None:
             self.print_line(*previous)
 
