@@ -176,6 +176,7 @@ def _fwd_kernel(Q, K, V, O, L, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
                 H, Nq, Nk, qk_scale,
                 CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 PRECISION: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # see _dkdv_kernel
     start_m = tl.program_id(0)
     if CAUSAL:  # the last query tiles have the most keys: start them first to shorten the tail
         start_m = tl.num_programs(0) - 1 - start_m
@@ -253,6 +254,9 @@ def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, sqb, sqh, sqn, skb, skh, skn, sv
                  sdb, sdh, sdn, H, Nq, Nk, qk_scale, scale,
                  CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  DIAG_M: tl.constexpr, PRECISION: tl.constexpr):
+    # Under torch.compile, Inductor launches these kernels and types Python floats as fp64; fp64
+    # scales would turn the whole softmax fp64 (and tl.dot's fp32 accumulator a type error).
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
     start_n = tl.program_id(0) * BLOCK_N  # with causal, tile 0 sees every query: heavy tiles first
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -310,6 +314,7 @@ def _dq_kernel(Q, K, V, DO, L, Delta, DQ, sqb, sqh, sqn, skb, skh, skn, svb, svh
                sdb, sdh, sdn, H, Nq, Nk, qk_scale, scale,
                CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                DIAG_N: tl.constexpr, PRECISION: tl.constexpr):
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # see _dkdv_kernel
     start_m = tl.program_id(0)
     if CAUSAL:
         start_m = tl.num_programs(0) - 1 - start_m
@@ -467,8 +472,8 @@ def flash_attention(q, k, v, causal=False, scale=None, precision=None):
     v: (B, [H,] Nk, D); scale defaults to 1/sqrt(D). `precision` applies to fp32 inputs only:
     "ieee" for exact fp32 dots, "tf32" for the faster tensor-core ones; None follows torch's fp32
     matmul setting (gpt.set_tf32), so --attn triton matches the rest of the model."""
-    if precision is None:
-        precision = torch_fp32_precision()
+    if precision is None:  # only fp32 dots read it; skipping the read keeps torch.compile's graph whole
+        precision = torch_fp32_precision() if q.dtype == torch.float32 else "ieee"
     check_inputs(q, k, v, causal, precision)
     squeeze = q.dim() == 3
     if squeeze:

@@ -220,6 +220,31 @@ def test_train_ddp_matches_single_process():
         assert abs(float(a) - float(b)) < 2e-3, (single, ddp)
 
 
+def test_fused_clipping_matches_clip_grad_norm():
+    """train.clip_gradients with a fused AdamW (the clip applied inside the optimizer's kernel) steps
+    like clip_grad_norm_ followed by the same optimizer. Two steps: a clipped one, then an unclipped
+    one; with a single step Adam's scale invariance would hide a missing clip."""
+    import train
+
+    def params_after(clip):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 8)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        gen = torch.Generator().manual_seed(1)
+        for scale in (10.0, 0.01):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen) * scale
+            clip(model, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    ref = params_after(lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
+    ours = params_after(lambda m, o: train.clip_gradients(m, o, 1.0))
+    unclipped = params_after(lambda m, o: None)
+    assert (ours - ref).abs().max() < 1e-6 < (unclipped - ref).abs().max() / 100
+
+
 def test_train_bad_input():
     assert_bad_input("train.py", "--model", "gpt5", says="unknown model")
     assert_bad_input("train.py", "--model", "gpt2", "--seq", "2048", says="block size")
@@ -263,6 +288,22 @@ def test_train_gpu_bf16_compile():
     vals = [float(ln.split()[-1]) for ln in out.splitlines() if "val loss" in ln]
     assert len(vals) == 2 and vals[1] < vals[0], out[-2000:]
     assert "GiB" in out.splitlines()[-1] and "MFU" in out
+
+
+@gpu
+def test_train_gpu_compile_matches_eager_with_grad_accum():
+    """CUDA graphs (--compile on one GPU) across micro-steps: gradients accumulate over replays, so
+    each step's loss and accumulated grad norm match the eager run's."""
+    def loss_and_norm(*extra):
+        out = run("train.py", "--model", "tiny", "--bf16", "--grad-accum", "2", "--steps", "8", "--batch", "4",
+                  "--seq", "128", "--warmup", "1", "--lr", "3e-3", "--device", "cuda", *extra).stdout
+        return [(float(ln.split("| loss")[1].split()[0]), float(ln.split("| norm")[1].split()[0]))
+                for ln in out.splitlines() if "| loss" in ln]
+
+    compiled, eager = loss_and_norm("--compile"), loss_and_norm()
+    assert len(compiled) == len(eager) == 8
+    for (loss_c, norm_c), (loss_e, norm_e) in zip(compiled, eager):
+        assert abs(loss_c - loss_e) < 0.05 and abs(norm_c - norm_e) < 0.05 * norm_e, (compiled, eager)
 
 
 @gpu
@@ -967,17 +1008,18 @@ def test_flash_gpu_matches_reference():
 
 @gpu
 def test_flash_train_matches_sdpa():
-    def losses(attn):
+    def losses(attn, *extra):
         proc = run("train.py", "--model", "tiny", "--attn", attn, "--steps", "8", "--batch", "4", "--seq", "128",
-                   "--bf16", "--device", "cuda", timeout=600)
+                   "--bf16", "--device", "cuda", *extra, timeout=600)
         values = [float(line.split("loss")[1].split()[0].strip(":=,")) for line in proc.stdout.splitlines()
                   if line.startswith("step") and "| loss" in line]
         assert values, proc.stdout[-2000:]
         return values
 
-    ours, ref = losses("triton"), losses("sdpa")
-    assert len(ours) == len(ref)
-    assert all(abs(a - b) < 0.05 * abs(b) + 0.02 for a, b in zip(ours, ref)), (ours, ref)
+    ref = losses("sdpa")
+    for ours in (losses("triton"), losses("triton", "--compile")):  # Inductor launches the kernels itself
+        assert len(ours) == len(ref)
+        assert all(abs(a - b) < 0.05 * abs(b) + 0.02 for a, b in zip(ours, ref)), (ours, ref)
 
 
 def main():
