@@ -348,6 +348,18 @@ def cublas_workspace_config():
         return f"n/a, {env}"
 
 
+def fresh_model(config, batch, T, device):
+    """A seeded model, its AdamW and a (batch, T) token batch, built after the previous row's
+    tensors are freed and the peak counter reset, so each row's memory figures are its own."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    x = torch.randint(0, config.vocab_size, (batch, T), device=device)
+    return model, configure_optimizer(model, lr=1e-4), x
+
+
 def tf32_memory_rows(args, device):
     """A GPT training step with TF32 off and on, and where its memory goes. The cuBLAS workspace
     comes out of the caching allocator, so it hides inside memory_allocated; clearing the
@@ -359,15 +371,9 @@ def tf32_memory_rows(args, device):
     rows, measured = [], {}
     for enabled in (False, True):
         set_tf32(enabled)
-        gc.collect()
-        torch._C._cuda_clearCublasWorkspaces()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+        torch._C._cuda_clearCublasWorkspaces()  # each setting starts without the other's workspace
         try:
-            torch.manual_seed(0)
-            model = GPT(config).to(device)
-            optimizer = configure_optimizer(model, lr=1e-4)
-            x = torch.randint(0, config.vocab_size, (args.batch, T), device=device)
+            model, optimizer, x = fresh_model(config, args.batch, T, device)
             train_step(model, optimizer, x, x)  # warm-up: creates optimizer state and workspaces
             ms = time_op(lambda: train_step(model, optimizer, x, x), device, args.steps)
             allocated = torch.cuda.memory_allocated(device)
@@ -484,15 +490,9 @@ def mixed_row(model_name, mode, dtype, tf32, args, device):
     config = make_config(model_name)
     T = min(args.seq, config.block_size)
     set_tf32(tf32)  # autocast rows keep TF32 off: their matmuls are already bf16/fp16
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
     try:
-        torch.manual_seed(0)
-        model = GPT(config).to(device)
-        optimizer = configure_optimizer(model, lr=1e-4)
+        model, optimizer, x = fresh_model(config, args.batch, T, device)
         scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-        x = torch.randint(0, config.vocab_size, (args.batch, T), device=device)
         ms = time_op(lambda: train_step(model, optimizer, x, x, dtype, scaler), device, args.steps)
         peak = torch.cuda.max_memory_allocated(device)
         del model, optimizer, x
