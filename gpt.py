@@ -2,29 +2,32 @@
 
 The architecture is GPT-2's (pre-LayerNorm blocks, learned position embeddings, a 4x GELU MLP,
 input and output embeddings tied, residual projections initialised with std 0.02/sqrt(2*n_layer)).
-Around it sit the few things every script needs: size presets, vocabulary padding, an attention
-toggle (naive / SDPA and its backends / our Triton kernel), the AdamW set-up, the FLOPs-per-token
-and MFU arithmetic against the detected GPU's peak, an offline GPT-2 tokenizer, and small helpers
-for precision, errors and tables.
+Two speed-ups live inside the model because every script that trains it wants them: the output
+layer and the cross-entropy fused over chunks of tokens (the [tokens, vocab] logits never exist),
+and FP8 matmuls for chosen Linear layers on GPUs that have them. Below the model sit the few
+things three or more scripts share: the optimizer, FLOPs and MFU, the offline tokenizer, the
+one timer (variants interleaved in rounds) and small helpers.
 
     from gpt import GPT, make_config
-    model = GPT(make_config("gpt2", vocab_size=50304, attn="flash"))
+    model = GPT(make_config("gpt2", vocab_size=50304, attn="sdpa"))
 
-Run `python gpt.py` to print the presets and their parameter counts (CPU, no training).
+    python gpt.py                  # the presets and their parameter counts
+    python gpt.py --model gpt2     # one preset: where its parameters and FLOPs are
 """
 
+import argparse
 import hashlib
 import math
 import os
 import statistics
 import sys
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.profiler import record_function
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GPT2_VOCAB = 50257  # tokens the GPT-2 BPE can produce; a larger vocab_size is padding
@@ -40,7 +43,8 @@ class GPTConfig:
     d_ff: int = 3072
     block_size: int = 1024  # longest context, the size of the position table
     vocab_size: int = GPT2_VOCAB
-    attn: str = "sdpa"  # see ATTENTION_IMPLS; read at every forward, so it can be switched
+    attn: str = "sdpa"  # see ATTENTION; chosen once, when the model is built
+    fused_ce: bool = True  # training loss through LinearCrossEntropy (section 4)
 
 
 # name: (n_layer, n_head, n_embd, d_ff). `small`..`2.7B` are the usual benchmark sizes.
@@ -61,8 +65,7 @@ def make_config(name, **overrides):
     if name not in PRESETS:
         raise ValueError(f"unknown model '{name}'; choose from {', '.join(PRESETS)}")
     n_layer, n_head, n_embd, d_ff = PRESETS[name]
-    block_size = TINY_BLOCK_SIZE if name == "tiny" else 1024
-    config = GPTConfig(n_layer, n_head, n_embd, d_ff, block_size)
+    config = GPTConfig(n_layer, n_head, n_embd, d_ff, TINY_BLOCK_SIZE if name == "tiny" else 1024)
     config = replace(config, **overrides)
     check_config(config)
     return config
@@ -74,8 +77,8 @@ def check_config(config):
         raise ValueError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
     if config.vocab_size < GPT2_VOCAB:
         raise ValueError(f"vocab {config.vocab_size} is below the tokenizer's {GPT2_VOCAB} tokens")
-    if config.attn not in ATTENTION_IMPLS:
-        raise ValueError(f"unknown attention '{config.attn}'; choose from {', '.join(ATTENTION_IMPLS)}")
+    if config.attn not in ATTENTION:
+        raise ValueError(f"unknown attention '{config.attn}'; choose from {', '.join(ATTENTION)}")
 
 
 def round_up(n, multiple):
@@ -83,24 +86,15 @@ def round_up(n, multiple):
     return (n + multiple - 1) // multiple * multiple
 
 
-# --- 2. attention: one function, several implementations
-
-# SDPA pinned to one backend: if that backend cannot run the inputs, SDPA raises instead of
-# silently falling back, so a benchmark labelled "flash" really measured flash.
-SDPA_BACKENDS = {
-    "flash": "FLASH_ATTENTION",
-    "cudnn": "CUDNN_ATTENTION",
-    "efficient": "EFFICIENT_ATTENTION",
-    "math": "MATH",
-}
-ATTENTION_IMPLS = ("naive", "sdpa", *SDPA_BACKENDS, "triton")
+# --- 2. attention: causal self-attention of (B, H, T, D) tensors, one function per implementation
 
 
 def naive_attention(q, k, v):
     """Causal attention written out. It materialises the (T, T) score and probability matrices
     per head and keeps both for backward: the memory and bandwidth cost FlashAttention removes.
-    The record_function ranges name the three stages in torch.profiler (and as NVTX ranges under
-    torch.autograd.profiler.emit_nvtx, for Nsight Systems)."""
+    The record_function ranges name the three stages in torch.profiler."""
+    from torch.autograd.profiler import record_function
+
     T = q.size(-2)
     with record_function("attention scores"):
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
@@ -112,24 +106,38 @@ def naive_attention(q, k, v):
         return probs @ v
 
 
-def attention(q, k, v, impl):
-    """Causal self-attention of (B, H, T, D) tensors with the chosen implementation."""
-    if impl == "naive":
-        return naive_attention(q, k, v)
-    if impl == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if impl == "triton":
-        try:
-            from flash_triton import flash_attention
-        except ModuleNotFoundError as e:
-            if e.name != "flash_triton":
-                raise
-            raise RuntimeError("--attn triton needs flash_triton.py next to gpt.py") from None
-        return flash_attention(q, k, v, causal=True)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def sdpa_attention(q, k, v):
+    """SDPA picks the fastest backend that can run the inputs (cuDNN or flash on an H100)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[impl])):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+def pinned_sdpa(backend):
+    """SDPA pinned to one backend: if it cannot run the inputs, SDPA raises instead of silently
+    falling back, so a benchmark labelled "flash" really measured flash."""
+    def attend(q, k, v):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return attend
+
+
+def triton_attention(q, k, v):
+    try:
+        from flash_triton import flash_attention
+    except ModuleNotFoundError as e:
+        if e.name != "flash_triton":
+            raise
+        raise RuntimeError("--attn triton needs flash_triton.py next to gpt.py") from None
+    return flash_attention(q, k, v, causal=True)
+
+
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                 "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+ATTENTION = {"naive": naive_attention, "sdpa": sdpa_attention,
+             **{name: pinned_sdpa(backend) for name, backend in SDPA_BACKENDS.items()},
+             "triton": triton_attention}
+GPU_ONLY_ATTENTION = ("cudnn", "efficient", "triton")
 
 
 # --- 3. the model
@@ -138,16 +146,16 @@ def attention(q, k, v, impl):
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.config = config
+        self.n_head = config.n_head
+        self.attend = ATTENTION[config.attn]  # picked here once, not looked up every forward
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x):
         B, T, C = x.shape
-        H = self.config.n_head
         q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
-        y = attention(q, k, v, self.config.attn)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = self.attend(q, k, v)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -203,23 +211,25 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # parameters() counts a tied one once
 
     def forward(self, idx, targets=None):
+        """(logits, loss). Training (targets given, autograd on, config.fused_ce) returns
+        (None, loss): the loss comes from LinearCrossEntropy and no logits are ever made.
+        Otherwise the logits come back, detached when there is a loss to differentiate: under
+        torch.compile an output that requires grad but gets none is handed a zero gradient, a
+        logits-sized tensor (1.6 GB at B=16, T=1024) filled and read every step."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than the block size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
         for block in self.h:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-            # Training differentiates the loss; the logits come back detached, for inspection.
-            # Under torch.compile, an output that requires grad but gets none in backward is
-            # handed a zero gradient: a logits-sized tensor (1.6 GB at B=16, T=1024, vocab 50304)
-            # to fill and read every step.
-            logits = logits.detach()
-        return logits, loss
+        x = self.ln_f(x)
+        if targets is not None and self.config.fused_ce and torch.is_grad_enabled():
+            return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits.detach(), loss
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
@@ -237,7 +247,135 @@ class GPT(nn.Module):
         return idx
 
 
-# --- 4. optimizer, FLOPs and MFU
+# --- 4. the output layer and the loss, fused over chunks of tokens
+# The plain loss computes logits = x W^T ([N, V]: 1.6 GB in bf16 at N=16,384, V=50,304), reads them
+# to take the log-sum-exp, keeps an fp32 copy for backward, and writes their gradient (1.6 GB).
+# Here each chunk of rows gets its logits, loss and gradient in one go, and the gradient goes
+# straight into the two matmuls that need it (dx = dlogits W, dW += dlogits^T x): the whole loss
+# is computed, with its gradients, during the forward pass, and the chunk buffer is reused.
+
+
+def _chunk_loss_and_grad(logits, targets, n_valid, scale):
+    """Sum of the rows' cross-entropies (fp32 log-sum-exp) and d(scale * sum)/dlogits in logits'
+    dtype, written over the logits. Columns from n_valid on are vocabulary padding: they take no
+    probability and get a zero gradient."""
+    z = logits[:, :n_valid].float()
+    lse = torch.logsumexp(z, dim=1)
+    loss = (lse - z.gather(1, targets[:, None]).squeeze(1)).sum()
+    grad = torch.exp(z - lse[:, None]) * scale
+    grad.scatter_add_(1, targets[:, None], torch.full_like(targets[:, None], -scale, dtype=grad.dtype))
+    logits[:, :n_valid] = grad.to(logits.dtype)
+    logits[:, n_valid:] = 0
+    return loss, logits
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """mean_i cross_entropy(x_i W^T, y_i) with its gradients for x and W computed in forward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk_rows):
+        # under autocast the matmuls run in the autocast dtype, as nn.Linear's would
+        cuda = x.device.type == "cuda"
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        xc, w = x.to(dtype), weight.to(dtype)
+        N, n_valid = x.shape[0], min(GPT2_VOCAB, weight.shape[0])
+        loss = torch.zeros((), device=x.device, dtype=torch.float32)
+        dx = torch.empty_like(x)
+        dw = torch.zeros_like(weight, dtype=torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            for start in range(0, N, chunk_rows):
+                rows = slice(start, start + chunk_rows)
+                logits = xc[rows] @ w.t()
+                part, dlogits = _chunk_loss_and_grad(logits, targets[rows], n_valid, 1.0 / N)
+                loss += part
+                dx[rows] = dlogits @ w
+                if dtype == torch.float32:
+                    dw = torch.addmm(dw, dlogits.t(), xc[rows])
+                elif cuda:  # 16-bit inputs, fp32 sum and output: the partial sums are not rounded
+                    dw = torch.addmm(dw, dlogits.t(), xc[rows], out_dtype=torch.float32)
+                else:
+                    dw = dw + (dlogits.t() @ xc[rows]).float()
+        ctx.save_for_backward(dx, dw.to(weight.dtype))
+        return loss / N
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dx, dw = ctx.saved_tensors
+        return dx * grad_loss, dw * grad_loss, None, None
+
+
+def linear_cross_entropy(x, weight, targets, chunk_rows=4096):
+    """Fused lm_head + cross-entropy of (N, d) hidden states against (N,) targets."""
+    return LinearCrossEntropy.apply(x, weight, targets, chunk_rows)
+
+
+# --- 5. FP8 matmuls (H100/H200): e4m3 activations and weights, e5m2 gradients, tensorwise scales
+# An FP8 tensor core matmul runs at twice the bf16 rate, but each operand must first be scaled
+# into FP8's narrow range (e4m3: max 448, 3 mantissa bits; e5m2: max 57344, 2 bits) by its own
+# absolute maximum, recomputed every step (dynamic scaling), and the cast is a pass over the
+# tensor. Under torch.compile those passes fuse into the kernels that produce the tensors.
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def to_fp8(t, dtype):
+    """(t scaled into dtype's range and cast, the inverse scale) with one scale for the tensor."""
+    amax = t.detach().abs().amax().float().clamp(min=1e-12)
+    scale = torch.finfo(dtype).max / amax
+    return (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), scale.reciprocal()
+
+
+def fp8_mm(a8, a_inv, b8, b_inv):
+    """a @ b for FP8 a (M, K) row-major and b (K, N) column-major, bf16 out."""
+    return torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
+
+
+class Fp8Matmul(torch.autograd.Function):
+    """y = x W^T with all three matmuls of a Linear (forward, dX, dW) in FP8."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        x8, x_inv = to_fp8(x, E4M3)
+        w8, w_inv = to_fp8(weight, E4M3)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        return fp8_mm(x8, x_inv, w8.t(), w_inv)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        dy8, dy_inv = to_fp8(dy, E5M2)
+        dx = fp8_mm(dy8, dy_inv, w8.t().contiguous().t(), w_inv)  # the second operand column-major
+        dw = fp8_mm(dy8.t().contiguous(), dy_inv, x8.t().contiguous().t(), x_inv)
+        return dx, dw.float()
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear whose matmuls run in FP8; weight and bias stay fp32 (the optimizer's copy)."""
+
+    def forward(self, x):
+        y = Fp8Matmul.apply(x.flatten(0, -2), self.weight).unflatten(0, x.shape[:-1])
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+# The layers that gained on an H100 at GPT-2 shapes (precision.py --only fp8 measures each one).
+FP8_LAYERS = ("attn.c_attn", "mlp.c_fc", "mlp.c_proj")
+
+
+def fp8_supported(device):
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def use_fp8(model, layers=FP8_LAYERS):
+    """Turn the model's Linear layers whose names end with one of `layers` into Fp8Linear (in
+    place, weights kept). Returns the names converted."""
+    names = [name for name, m in model.named_modules()
+             if type(m) is nn.Linear and name.endswith(tuple(layers))]
+    for name in names:
+        model.get_submodule(name).__class__ = Fp8Linear
+    return names
+
+
+# --- 6. optimizer, compilation, FLOPs and MFU
 
 
 def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
@@ -250,6 +388,34 @@ def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
     ]
     fused = all(p.is_cuda for p in params)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+
+
+def compile_model(model, cuda_graphs=False):
+    """torch.compile fuses the elementwise work between the matmuls, and two options help it more:
+    - CUDA graphs (what mode="reduce-overhead" turns on): the compiled forward and backward are
+      recorded once, then each replayed with one launch instead of hundreds of kernel launches.
+      Only on one GPU without gradient accumulation: DDP's hooks launch all-reduces from outside
+      the graphs, and a micro-step's gradients would live in graph memory that the next
+      micro-step's replay overwrites.
+    - programmatic dependent launch (Hopper and newer; ignored elsewhere): each generated Triton
+      kernel may start while the previous one finishes, instead of after."""
+    return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
+
+
+def train_step(model, optimizer, x, y, dtype=None, scaler=None):
+    """One plain optimizer step: forward under autocast, backward (through the GradScaler for
+    fp16), step, gradients dropped. Returns the loss as a GPU tensor; nothing here waits."""
+    with autocast(x.device, dtype):
+        _, loss = model(x, y)
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()  # fp16: scale so small gradients survive
+        scaler.step(optimizer)
+        scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
 def matmul_params(config):
@@ -290,13 +456,17 @@ def gpu_peak_flops(device):
 
 
 def mfu(flops_per_s, device):
-    """Model FLOPs utilisation against the bf16 peak (also for fp32 runs, as is customary), or
-    None where the peak is unknown: better no number than a wrong one."""
+    """Model FLOPs utilisation against the bf16 peak (also for fp32 and FP8 runs, as is
+    customary), or None where the peak is unknown: better no number than a wrong one."""
     peak = gpu_peak_flops(device)
     return None if peak is None else flops_per_s / peak
 
 
-# --- 5. tokenizer and data
+def fmt_mfu(value):
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+# --- 7. tokenizer and data
 
 BPE_FILES = {  # file: sha256, the hashes tiktoken itself expects for its "gpt2" encoding
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
@@ -318,25 +488,132 @@ def gpt2_tokenizer(bpe_dir=os.path.join(HERE, "gpt2_bpe")):
             if hashlib.sha256(f.read()).hexdigest() != BPE_FILES[name]:
                 raise ValueError(f"{path} does not have the expected sha256 {BPE_FILES[name]}")
     ranks = data_gym_to_mergeable_bpe_ranks(paths["vocab.bpe"], paths["encoder.json"])
-    return tiktoken.Encoding(
-        name="gpt2",
-        pat_str=R50K_PATTERN,
-        mergeable_ranks=ranks,
-        special_tokens={"<|endoftext|>": GPT2_VOCAB - 1},
-        explicit_n_vocab=GPT2_VOCAB,
-    )
+    return tiktoken.Encoding(name="gpt2", pat_str=R50K_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": GPT2_VOCAB - 1}, explicit_n_vocab=GPT2_VOCAB)
 
 
 def load_tokens(path=os.path.join(HERE, "input.txt")):
     """The text file as a 1-D int64 tensor of GPT-2 tokens (input.txt: 338,025 tokens)."""
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing; it holds the training text (Tiny Shakespeare)")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text (was a checkpoint or binary file written over it?)") from None
     return torch.tensor(gpt2_tokenizer().encode_ordinary(text), dtype=torch.long)
 
 
-# --- 6. small helpers the scripts share: device, precision, errors, tables
+# --- 8. the one timer: variants interleaved in rounds
+# A GPU shared with other work (or a laptop's turbo clock) changes speed over seconds: variants
+# timed one after another can differ by 15% with nothing changed. Running them in rounds,
+# A B C, B C A, C A B, ..., puts every variant through the same conditions; the median over
+# rounds resists stray slow rounds, and the ratio to a baseline is taken within each round
+# (paired), so a slow minute slows both sides of the ratio.
+
+
+def clock(device):
+    """A point on the device's timeline: on a GPU an event queued behind the work already queued
+    (it fires when the GPU gets there); on the CPU, where ops run as they are called, the clock."""
+    if torch.device(device).type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed_ms(start, end):
+    """Milliseconds between two clock() points (waits for the GPU to reach `end`)."""
+    if isinstance(end, float):
+        return (end - start) * 1e3
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+@dataclass
+class Timing:
+    """One variant's ms per step over the rounds, and its per-round ratio to the baseline."""
+    median: float
+    low: float
+    high: float
+    ratio: float = None
+    ratio_low: float = None
+    ratio_high: float = None
+    peak: int = None  # max_memory_allocated during its warm-up, bytes (None on the CPU)
+
+    def ms(self, digits=2):
+        return f"{self.median:.{digits}f} ({self.low:.{digits}f}-{self.high:.{digits}f})"
+
+    def vs(self):
+        return "-" if self.ratio is None else f"{self.ratio:.3f}x ({self.ratio_low:.3f}-{self.ratio_high:.3f})"
+
+
+def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progress=None):
+    """{name: [ms per step in each round]} for variants {name: fn}, fn() queueing one step.
+    Each variant is warmed up first (compilation, autotuning, allocator growth) with its peak
+    memory recorded; a variant that runs out of memory there gets None instead of times. Then in
+    each round every variant runs `steps` steps between two events, the order rotating by one
+    each round, with one synchronize per round: the host queues ahead as in real training.
+    `sync` replaces the synchronize (ddp.py: all ranks); `progress(round)` is called per round."""
+    cuda = torch.device(device).type == "cuda"
+    names, times, peaks = list(variants), {}, {}
+    for name in names:
+        times[name] = None
+        try:
+            if cuda:
+                synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            for _ in range(warmup):
+                variants[name]()
+            synchronize(device)
+            peaks[name] = torch.cuda.max_memory_allocated(device) if cuda else None
+            times[name] = []
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_oom(e):
+                raise
+        if times[name] is None:
+            free_memory()  # outside the except block, whose traceback still holds the tensors
+    live = [n for n in names if times[n] is not None]
+    for r in range(rounds):
+        order = live[r % len(live):] + live[:r % len(live)] if live else []
+        marks = []
+        for name in order:
+            start = clock(device)
+            for _ in range(steps):
+                variants[name]()
+            marks.append((name, start, clock(device)))
+        (sync or (lambda: synchronize(device)))()
+        for name, start, end in marks:
+            times[name].append(elapsed_ms(start, end) / steps)
+        if progress:
+            progress(r)
+    return times, peaks
+
+
+def summarize(times, baseline=None, peaks=None):
+    """{name: Timing or None}: median and min-max over rounds, and the median of the per-round
+    ratios to `baseline` with their min-max (paired: each ratio within one round)."""
+    out = {}
+    base = times.get(baseline)
+    for name, ms in times.items():
+        if ms is None:
+            out[name] = None
+            continue
+        t = Timing(statistics.median(ms), min(ms), max(ms), peak=(peaks or {}).get(name))
+        if base:
+            ratios = [a / b for a, b in zip(ms, base)]
+            t.ratio, t.ratio_low, t.ratio_high = statistics.median(ratios), min(ratios), max(ratios)
+        out[name] = t
+    return out
+
+
+def compare(variants, device, baseline=None, rounds=20, steps=3, warmup=2, progress=None):
+    """time_rounds then summarize: {name: Timing or None (out of memory)}."""
+    times, peaks = time_rounds(variants, device, rounds, steps, warmup, progress=progress)
+    return summarize(times, baseline, peaks)
+
+
+# --- 9. small helpers the scripts share: device, precision, errors, paths, tables
 
 
 def fail(message):
@@ -346,13 +623,23 @@ def fail(message):
 
 
 def resolve_device(name=None):
-    """`name` or the best available device; a CUDA device on a machine without one is an error."""
+    """`name` (cpu, cuda, cuda:N) or the best available device, as an indexed torch.device.
+    Anything else, or a GPU this machine does not have, is a ValueError in one sentence."""
     name = name or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name} was asked for but this machine has no CUDA GPU")
-    if device.type == "cuda" and device.index is None:  # memory APIs want an indexed device
-        device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device '{name}' is not a device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name} is not supported here; use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name} was asked for but this machine has no CUDA GPU")
+        if device.index is None:  # memory APIs want an indexed device
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s), "
+                             f"numbered from 0")
     return device
 
 
@@ -385,21 +672,21 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def mean_std(values):
-    """(mean, sample standard deviation) of a list; std is 0 for a single value."""
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-def print_table(headers, rows):
-    """Print rows (lists of values) under headers as an aligned plain-text table."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    for n, row in enumerate(cells):
-        # first column (the configuration) left-aligned, numbers right-aligned
-        print("  ".join(c.ljust(w) if i == 0 or n == 0 else c.rjust(w)
-                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
+def check_output_path(path, flag, ours=None):
+    """ValueError unless `path` can be written: not a directory, its folder exists and is
+    writable, and (with `ours`, a function that tells our files apart) not an existing file of
+    someone else's. Checked before any work, so a bad path costs seconds, not a training run."""
+    if not path:
+        raise ValueError(f"{flag} needs a file name")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory, not a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path} is not writable")
+    if ours is not None and os.path.exists(path) and not ours(path):
+        raise ValueError(f"{flag} {path} exists and is not a file this script wrote; refusing to overwrite it")
 
 
 def is_oom(error):
@@ -422,12 +709,65 @@ def gib(nbytes):
     return f"{nbytes / 2**30:.2f}"
 
 
-if __name__ == "__main__":
+def print_table(headers, rows):
+    """Print rows (lists of values) under headers as an aligned plain-text table."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        # first column (the configuration) left-aligned, numbers right-aligned
+        print("  ".join(c.ljust(w) if i == 0 or n == 0 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def plot_to(path):
+    """matplotlib's pyplot for a --plot PNG (imported only then: it is optional), or a ValueError."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError:
+        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+    check_output_path(path, "--plot")
+    return plt
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="The GPT-2 presets: parameters, and where they and the FLOPs are.")
+    p.add_argument("--model", choices=PRESETS, help="one preset in detail")
+    p.add_argument("--vocab", type=int, default=GPT2_VOCAB, help="vocabulary size (50304 pads to a multiple of 128)")
+    p.add_argument("--seq", type=int, help="context for the FLOPs per token (default: the block size)")
+    args = p.parse_args(argv)
+    try:
+        configs = {name: make_config(name, vocab_size=args.vocab) for name in ([args.model] if args.model else PRESETS)}
+    except ValueError as e:
+        fail(str(e))
+    if args.seq is not None and not 1 <= args.seq <= min(c.block_size for c in configs.values()):
+        fail(f"--seq must be between 1 and the block size, got {args.seq}")
     rows = []
-    for name in PRESETS:
-        config = make_config(name)
+    for name, config in configs.items():
         with torch.device("meta"):  # count parameters without allocating them
             n = GPT(config).num_params()
-        rows.append([name, config.n_layer, config.n_head, config.n_embd, config.d_ff, f"{n:,}"])
-    print_table(["preset", "layers", "heads", "d_model", "d_ff", "params (vocab 50257)"], rows)
-    print("parameter counts include the tied embedding once and the position table")
+        T = args.seq or config.block_size
+        rows.append([name, config.n_layer, config.n_head, config.n_embd, config.d_ff, f"{n:,}",
+                     f"{flops_per_token(config, T) / 1e9:.2f}"])
+    print_table(["preset", "layers", "heads", "d_model", "d_ff", f"params (vocab {args.vocab})",
+                 "train GFLOP/token"], rows)
+    if args.model:
+        c, d = configs[args.model], configs[args.model].n_embd
+        parts = [("token embedding = output layer (tied)", c.vocab_size * d), ("position table", c.block_size * d),
+                 (f"{c.n_layer} x attention (qkv, proj)", c.n_layer * (4 * d * d + 4 * d)),
+                 (f"{c.n_layer} x MLP", c.n_layer * (2 * d * c.d_ff + c.d_ff + d)),
+                 ("LayerNorms", (2 * c.n_layer + 1) * 2 * d)]
+        total = sum(n for _, n in parts)
+        print()
+        print_table(["where the parameters are", "parameters", "share"],
+                    [[k, f"{n:,}", f"{100 * n / total:.1f}%"] for k, n in parts])
+    print("parameter counts include the tied embedding once and the position table; FLOPs: 6 per matmul "
+          "parameter plus attention, at the block size unless --seq")
+
+
+if __name__ == "__main__":
+    main()

@@ -30,8 +30,9 @@ def gpu(test):
 
 
 def run(script, *args, env=None, timeout=600, check=True):
-    """Run `python script args...` from the repo root; return the CompletedProcess. With
-    check=True a non-zero exit fails the test and shows the script's output."""
+    """Run `python script args...` in a fresh process from the repo root; return the
+    CompletedProcess. With check=True a non-zero exit fails the test and shows the output. Use it
+    where a fresh process matters (torchrun, signals, TRITON_INTERPRET); otherwise call_main."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run([sys.executable, os.path.join(HERE, script), *map(str, args)], cwd=HERE,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -41,16 +42,45 @@ def run(script, *args, env=None, timeout=600, check=True):
     return proc
 
 
+def call_main(script, *args):
+    """Run script.main([args]) in this process: (exit status, stdout, stderr). No interpreter
+    start-up and no second torch import, so a bad-input case costs milliseconds, not seconds."""
+    import contextlib
+    import importlib
+    import io
+
+    module = importlib.import_module(script.removesuffix(".py"))
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            module.main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    return code, out.getvalue(), err.getvalue()
+
+
+def check_bad_inputs(cases):
+    """Each (script, args, words) case must exit 2 with one line on stderr containing `words`
+    (case-insensitive), no traceback, and nothing on stdout but a device line. Every case runs;
+    the failures are reported together."""
+    failures = []
+    for script, args, says in cases:
+        try:
+            code, out, err = call_main(script, *args)
+        except Exception as e:  # a traceback the user would have seen
+            failures.append(f"{script} {args}: raised {type(e).__name__}: {e}")
+            continue
+        lines = [line for line in err.strip().splitlines() if line.strip()]
+        if code != 2 or not lines or says.lower() not in lines[-1].lower():
+            failures.append(f"{script} {args}: exit {code}, stderr {err.strip()[-300:]!r}, expected '{says}'")
+    assert not failures, "\n".join(failures)
+
+
 def assert_bad_input(script, *args, says):
-    """The script rejects the arguments with exit status 2, no traceback, and a message
-    containing `says`."""
-    proc = run(script, *args, check=False, timeout=300)
-    assert proc.returncode == 2, f"{script} {args}: exit {proc.returncode}, expected 2\n{proc.stderr}"
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert says.lower() in proc.stderr.lower(), f"expected '{says}' in: {proc.stderr}"
+    check_bad_inputs([(script, args, says)])
 
 
-# --- 1. gpt.py: presets, tokenizer, vocabulary padding, attention toggles
+# --- 1. gpt.py: presets, tokenizer, padding, attention, fused loss, FP8, the timer
 
 import math  # noqa: E402
 
@@ -71,7 +101,10 @@ def test_presets_param_counts():
             with torch.device("meta"):
                 n = gpt.GPT(config).num_params()
             assert n == expected_params(config), (name, vocab, n)
-    assert gpt.GPT(gpt.make_config("gpt2")).num_params() == 124_439_808  # GPT-2 124M, as published
+    with torch.device("meta"):
+        assert gpt.GPT(gpt.make_config("gpt2")).num_params() == 124_439_808  # GPT-2 124M, as published
+    code, out, _ = call_main("gpt.py", "--model", "gpt2", "--vocab", 50304)
+    assert code == 0 and "124,475,904" in out and "38,633,472" in out, out
 
 
 def test_forward_shapes_and_initial_loss():
@@ -79,12 +112,16 @@ def test_forward_shapes_and_initial_loss():
     config = gpt.make_config("tiny", vocab_size=50304)
     model = gpt.GPT(config)
     idx, targets = torch.randint(0, gpt.GPT2_VOCAB, (2, 2, 16))
+    logits, loss = model(idx, targets)  # training: fused loss, no logits at all
+    assert logits is None and loss.requires_grad
+    assert abs(loss.item() - math.log(gpt.GPT2_VOCAB)) < 0.5  # near-uniform predictions at init
+    with torch.no_grad():  # evaluation keeps the logits path
+        logits, val = model(idx, targets)
+    assert logits.shape == (2, 16, 50304) and abs(val.item() - loss.item()) < 1e-2
+    model.config.fused_ce = False
     logits, loss = model(idx, targets)
-    assert logits.shape == (2, 16, 50304)
-    assert abs(loss.item() - math.log(50304)) < 0.5  # near-uniform predictions at init
-    assert model(idx)[1] is None
     # with targets the loss carries the graph and the logits come back detached (see GPT.forward)
-    assert loss.requires_grad and not logits.requires_grad
+    assert loss.requires_grad and not logits.requires_grad and model(idx)[1] is None
     for name, p in model.named_parameters():  # residual projections get the scaled init
         if name.endswith("c_proj.weight"):
             assert abs(p.std().item() - 0.02 / math.sqrt(2 * config.n_layer)) < 0.003, name
@@ -106,16 +143,36 @@ def test_vocab_padding_never_sampled():
     assert gpt.round_up(50257, 64) == 50304 and gpt.round_up(50257, 8) == 50264
     torch.manual_seed(0)
     model = gpt.GPT(gpt.make_config("tiny", vocab_size=50304))
-    plain_forward = model.forward
-
-    def forward_favouring_padding(idx, targets=None):  # padded tokens get by far the top logits
-        logits, loss = plain_forward(idx, targets)
-        logits[..., gpt.GPT2_VOCAB:] += 100.0
-        return logits, loss
-
-    model.forward = forward_favouring_padding
+    with torch.no_grad():
+        model.wte.weight[gpt.GPT2_VOCAB:] = 10 * model.wte.weight.abs().max()  # padded ids score highest
     out = model.generate(torch.zeros(2, 1, dtype=torch.long), 20)
     assert out.shape == (2, 21) and out.max().item() < gpt.GPT2_VOCAB
+
+
+def test_fused_cross_entropy_matches_reference():
+    """LinearCrossEntropy over chunks (one ragged) equals F.cross_entropy on the real vocabulary,
+    loss and both gradients, fp32 to rounding; padded ids get no probability and no gradient;
+    bf16 autocast agrees to bf16 rounding."""
+    gen = torch.Generator().manual_seed(0)
+    N, d, V = 300, 32, 50304
+    x = torch.randn(N, d, generator=gen, requires_grad=True)
+    w = (torch.randn(V, d, generator=gen) * 0.1).requires_grad_()
+    y = torch.randint(0, gpt.GPT2_VOCAB, (N,), generator=gen)
+    grads = {}
+    for name in ("fused", "reference", "bf16"):
+        x.grad = w.grad = None
+        with gpt.autocast("cpu", torch.bfloat16 if name == "bf16" else None):
+            if name == "reference":
+                loss = torch.nn.functional.cross_entropy((x @ w.t())[:, :gpt.GPT2_VOCAB].float(), y)
+            else:
+                loss = gpt.linear_cross_entropy(x, w, y, chunk_rows=128)
+        (3 * loss).backward()  # a non-unit upstream gradient
+        grads[name] = (loss.detach(), x.grad, w.grad)
+    for name, tol in (("fused", 1e-5), ("bf16", 2e-2)):
+        for got, ref in zip(grads[name], grads["reference"]):
+            err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert err < tol, (name, err)
+    assert grads["fused"][2][gpt.GPT2_VOCAB:].abs().max() == 0
 
 
 def attention_matches_naive(impl, device, dtype, tol):
@@ -124,7 +181,7 @@ def attention_matches_naive(impl, device, dtype, tol):
     results = {}
     for name in ("naive", impl):
         torch.manual_seed(0)
-        model = gpt.GPT(gpt.make_config("tiny", attn=name)).to(device)
+        model = gpt.GPT(gpt.make_config("tiny", attn=name, fused_ce=False)).to(device)
         idx = torch.randint(0, gpt.GPT2_VOCAB, (2, 64), device=device)
         try:
             with gpt.autocast(device, dtype):
@@ -145,7 +202,8 @@ def test_attention_toggles_agree_cpu():
     checked = [impl for impl in ("sdpa", "flash", "math", "cudnn", "efficient")
                if attention_matches_naive(impl, "cpu", None, 1e-5)]
     assert {"sdpa", "math"} <= set(checked), checked
-    print(f"  agree with naive on the CPU: {', '.join(checked)}")
+    model = gpt.GPT(gpt.make_config("tiny", attn="math"))
+    assert all(b.attn.attend is gpt.ATTENTION["math"] for b in model.h)  # chosen once, at build
 
 
 @gpu
@@ -155,18 +213,67 @@ def test_attention_toggles_agree_gpu():
         assert attention_matches_naive(impl, "cuda", None, 1e-2) or impl in ("flash", "cudnn"), impl
 
 
-def test_config_errors():
+def test_config_and_device_errors():
     for kwargs, says in [({"vocab_size": 50000}, "below"), ({"attn": "nope"}, "unknown attention")]:
         try:
             gpt.make_config("tiny", **kwargs)
             raise AssertionError(f"{kwargs} accepted")
         except ValueError as e:
             assert says in str(e)
-    try:
-        gpt.make_config("gpt5")
-        raise AssertionError("unknown preset accepted")
-    except ValueError as e:
-        assert "unknown model" in str(e)
+    for name, says in [("banana", "cuda:N"), ("tpu", "cuda:N"), ("mps", "cuda:N"), ("cuda:x", "cuda:N"),
+                       ("cuda:7" if HAS_CUDA else "cuda", "GPU")]:
+        try:
+            gpt.resolve_device(name)
+            raise AssertionError(f"--device {name} accepted")
+        except ValueError as e:
+            assert says in str(e), (name, str(e))
+    check_bad_inputs([("gpt.py", ["--model", "gpt5"], "invalid choice"),
+                      ("gpt.py", ["--seq", "0"], "--seq must be between")])
+
+
+def test_timer_interleaves_and_pairs():
+    """Every variant runs in every round, in a rotating order; ratios are per-round pairs, so a
+    variant that does twice the work reads about 2x however the machine's speed drifts."""
+    calls = []
+
+    def work(name, n):
+        def step():
+            calls.append(name)
+            torch.ones(n, n) @ torch.ones(n, n)
+        return step
+
+    times, peaks = gpt.time_rounds({"a": work("a", 160), "b": work("b", 202)}, "cpu", rounds=6, steps=2,
+                                   warmup=1)
+    assert [len(t) for t in times.values()] == [6, 6] and peaks == {"a": None, "b": None}
+    rounds = ["".join(calls[2 + 4 * r: 6 + 4 * r : 2]) for r in range(6)]  # after the warm-up calls
+    assert rounds == ["ab", "ba"] * 3, rounds
+    stats = gpt.summarize(times, baseline="a")
+    assert stats["a"].ratio == 1.0 and stats["a"].low <= stats["a"].median <= stats["a"].high
+    assert 1.3 < stats["b"].ratio < 3.5, stats["b"]  # 202^3 / 160^3 = 2.0 flops
+    assert stats["b"].ratio_low <= stats["b"].ratio <= stats["b"].ratio_high
+    assert stats["b"].ms().count("(") == 1 and stats["b"].vs().endswith(")")
+
+
+@gpu
+def test_fp8_linear_matches_bf16():
+    """Each FP8 layer's output and gradients against the same layer in bf16: within 10% relative
+    (e4m3 keeps 3 mantissa bits, e5m2 2: a few percent is expected, 10% is broken)."""
+    torch.manual_seed(0)
+    for d_in, d_out in ((768, 2304), (768, 3072), (3072, 768)):
+        layer = torch.nn.Linear(d_in, d_out).cuda()
+        x = torch.randn(4, 1024, d_in, device="cuda", requires_grad=True)
+        dy = torch.randn(4, 1024, d_out, device="cuda")
+        outs = []
+        for convert in (False, True):
+            if convert:
+                layer.__class__ = gpt.Fp8Linear
+            x.grad = layer.weight.grad = None
+            with gpt.autocast("cuda", torch.bfloat16):
+                y = layer(x)
+            y.backward(dy)
+            outs.append((y.float(), x.grad.float(), layer.weight.grad.float()))
+        for ref, got in zip(*outs):
+            assert ((got - ref).norm() / ref.norm()).item() < 0.1, (d_in, d_out)
 
 
 # --- 2. train.py: learning, checkpoints, DDP, bad input
@@ -1022,14 +1129,27 @@ def test_flash_train_matches_sdpa():
         assert all(abs(a - b) < 0.05 * abs(b) + 0.02 for a, b in zip(ours, ref)), (ours, ref)
 
 
-def main():
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     tests = [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]
-    # optional: --gpu-only, and substrings that select tests (python test_all.py tokenizer train_)
-    gpu_only = "--gpu-only" in sys.argv
-    only = [a for a in sys.argv[1:] if a != "--gpu-only"]
+    if "-h" in argv or "--help" in argv:
+        print("usage: python test_all.py [--gpu-only] [SUBSTRING ...]\n\nRuns every test whose name contains "
+              "one of the substrings (all tests without any); --gpu-only keeps the CUDA ones. Tests:")
+        print("\n".join(f"  {n}{'  (CUDA)' if getattr(f, 'needs_cuda', False) else ''}" for n, f in tests))
+        return
+    gpu_only = "--gpu-only" in argv
+    only = [a for a in argv if a != "--gpu-only"]
+    if unknown := [a for a in only if a.startswith("-")]:
+        print(f"error: unknown option {unknown[0]}; see python test_all.py --help", file=sys.stderr)
+        sys.exit(2)
     tests = [(n, f) for n, f in tests if not only or any(s in n for s in only)]
     tests = [(n, f) for n, f in tests if not gpu_only or getattr(f, "needs_cuda", False)]
+    if not tests:
+        print(f"error: no test matches {' '.join(only) or '--gpu-only'}; python test_all.py --help lists them",
+              file=sys.stderr)
+        sys.exit(2)
     passed = failed = skipped = 0
+    start_all = time.time()
     for name, test in tests:
         if getattr(test, "needs_cuda", False) and not HAS_CUDA:
             skipped += 1
@@ -1042,7 +1162,9 @@ def main():
         except Exception:
             failed += 1
             print(f"FAIL {name} ({time.time() - start:.1f}s)\n{traceback.format_exc()}", flush=True)
-    print(f"{passed} passed, {failed} failed, {skipped} skipped")
+    print(f"({time.time() - start_all:.0f} s; {skipped} CUDA tests skipped)" if skipped else
+          f"({time.time() - start_all:.0f} s)")
+    print(f"{passed} passed, {failed} failed")
     sys.exit(1 if failed else 0)
 
 
