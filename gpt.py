@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GPT2_VOCAB = 50257  # tokens the GPT-2 BPE can produce; a larger vocab_size is padding
@@ -45,6 +46,7 @@ class GPTConfig:
     vocab_size: int = GPT2_VOCAB
     attn: str = "sdpa"  # see ATTENTION; chosen once, when the model is built
     fused_ce: bool = True  # training loss through LinearCrossEntropy (section 4)
+    recompute: int = 0  # activation checkpointing of every recompute-th block (1: all, 0: none)
 
 
 # name: (n_layer, n_head, n_embd, d_ff). `small`..`2.7B` are the usual benchmark sizes.
@@ -79,6 +81,8 @@ def check_config(config):
         raise ValueError(f"vocab {config.vocab_size} is below the tokenizer's {GPT2_VOCAB} tokens")
     if config.attn not in ATTENTION:
         raise ValueError(f"unknown attention '{config.attn}'; choose from {', '.join(ATTENTION)}")
+    if not 0 <= config.recompute <= config.n_layer:
+        raise ValueError(f"--recompute {config.recompute} must be between 1 and the {config.n_layer} layers")
 
 
 def round_up(n, multiple):
@@ -220,8 +224,13 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than the block size {self.config.block_size}")
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
-        for block in self.h:
-            x = block(x)
+        K = self.config.recompute
+        for i, block in enumerate(self.h):
+            if K and i % K == 0 and torch.is_grad_enabled():
+                # keep only the block's input; its activations are recomputed in backward
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         x = self.ln_f(x)
         if targets is not None and self.config.fused_ce and torch.is_grad_enabled():
             return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
