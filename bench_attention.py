@@ -11,6 +11,7 @@ both the time and the memory, and checks the S^2 arithmetic against the allocato
     python bench_attention.py --impl naive,flash --d 64 --seq 1024,4096
     python bench_attention.py --memory-fraction 0.05   # cap the GPU memory to see OOM cells
     python bench_attention.py --suite flash --d 64     # batch 1, causal, S 128..65536, do_bench, TFLOP/s
+    python bench_attention.py --d 64 --plot attention.png   # ms and peak memory against S
 
 Implementations: naive (eager PyTorch), compiled (the same function under torch.compile, one graph
 per head dim with the sequence length dynamic; a cell is marked * where the profiler saw that
@@ -19,16 +20,11 @@ pinned to one backend, so a backend that cannot run the input is n/a instead of 
 back), triton (flash_attention from flash_triton.py). On a CPU the defaults shrink to a tiny
 sweep that finishes in seconds.
 
-Output excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-22; `--steps 30`, D=64 rows of the forward table):
+Sweep times are gpt.py's one timer: the implementations run interleaved in rounds, each cell is
+the median over rounds with its min-max, and the ratio column is the median of per-round ratios
+to --baseline (paired). The flash suite times single kernels with triton.testing.do_bench.
 
-    forward, ms (mean ± std of 30)
-    D    S      naive        compiled      flash        cudnn        efficient    math          triton
-    ---  -----  -----------  ------------  -----------  -----------  -----------  ------------  -----------
-    64     256  0.250±0.057  0.289±0.082*  0.153±0.030  0.179±0.030  0.125±0.024   0.507±0.061  0.205±0.058
-    64    1024  0.226±0.054  0.335±0.080*  0.165±0.028  0.176±0.032  0.083±0.016   0.573±0.077  0.105±0.024
-    64    4096  0.810±0.015  0.425±0.037*  0.141±0.024  0.148±0.022  0.283±0.031   2.408±0.062  0.181±0.024
-    64    8192  3.580±0.038  0.847±0.807*  0.458±0.024  0.296±0.028  1.098±0.027  10.026±0.086  0.311±0.048
-    64   16384  9.860±0.059  1.145±0.064*  1.789±0.038  1.142±0.038  4.172±0.046  37.320±0.397  1.192±0.055
+(excerpt to be refreshed from the next GPU run)
 """
 
 import argparse
@@ -36,19 +32,18 @@ import math
 import os
 import re
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from gpt import (SDPA_BACKENDS, fail, free_memory, gib, is_oom, mean_std, print_table, resolve_device,
-                 synchronize)
+from gpt import (SDPA_BACKENDS, compare, fail, free_memory, gib, is_oom, plot_to, print_table, resolve_device,
+                 synchronize, time_rounds)
 
 IMPLS = ("naive", "compiled", *SDPA_BACKENDS, "triton")
 SUITE_IMPLS = ("triton", "naive", *SDPA_BACKENDS)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-GPU_SWEEP = dict(batch=8, heads=1, d=[16, 32, 64, 128], seq=[256, 1024, 4096, 8192, 16384], steps=100, warmup=10)
-CPU_SWEEP = dict(batch=2, heads=1, d=[16, 32], seq=[64, 128], steps=3, warmup=1)
+GPU_SWEEP = dict(batch=8, heads=1, d=[16, 32, 64, 128], seq=[256, 1024, 4096, 8192, 16384], rounds=10, steps=5, warmup=3)
+CPU_SWEEP = dict(batch=2, heads=1, d=[16, 32], seq=[64, 128], rounds=3, steps=2, warmup=1)
 GPU_SUITE = dict(batch=1, heads=1, d=[16, 32, 64, 128], seq=[2**i for i in range(7, 17)])
 CPU_SUITE = dict(batch=1, heads=1, d=[16, 32], seq=[128, 256])
 MIB = 2**20
@@ -171,32 +166,7 @@ def naive_peak_bytes(B, H, S, D, dtype, causal):
     return 4 * B * H * S * S * e + 2 * B * H * S * D * e + (S * S if causal else 0)
 
 
-# --- 3. measuring one configuration: time (CUDA events) and memory (allocator)
-
-
-def time_ms(run, steps, device, setup=lambda: None):
-    """Mean and std in ms of run(setup()) over `steps` calls; setup is not timed. On CUDA each
-    call is bracketed by events and we synchronize once at the end, so the host never waits in
-    between and the events measure GPU time only."""
-    times = []
-    if device.type == "cuda":
-        pairs = []
-        for _ in range(steps):
-            arg = setup()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run(arg)
-            end.record()
-            pairs.append((start, end))
-        torch.cuda.synchronize(device)
-        times = [start.elapsed_time(end) for start, end in pairs]
-    else:
-        for _ in range(steps):
-            arg = setup()
-            t0 = time.perf_counter()
-            run(arg)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return mean_std(times)
+# --- 3. measuring one configuration: memory (allocator) here, time with gpt.py's timer
 
 
 def clear_grads(*tensors):
@@ -217,11 +187,10 @@ def sdpa_ops_in(fn, q, k, v, dout):
     return sorted({e.name for e in prof.events() if SDPA_KERNEL.search(e.name)})
 
 
-def measure(fn, impl, B, H, S, D, dtype, device, steps, warmup):
-    """Time 'steps' forwards and 'steps' backwards, and the memory around one backward."""
-    q, k, v, dout = random_qkv(B, H, S, D, dtype, device)
-    for _ in range(max(1, warmup)):  # at least one: torch.compile compiles on its first call
-        fn(q, k, v).backward(dout)
+def measure_memory(fn, impl, q, k, v, dout, device):
+    """One forward+backward first (torch.compile compiles on its first call; a backend that
+    cannot take the inputs raises here), then, on CUDA, the memory around one backward."""
+    fn(q, k, v).backward(dout)
     clear_grads(q, k, v)
     result = {}
     if device.type == "cuda":
@@ -239,16 +208,20 @@ def measure(fn, impl, B, H, S, D, dtype, device, steps, warmup):
         clear_grads(q, k, v)
     if impl == "compiled":
         result["sdpa_ops"] = sdpa_ops_in(fn, q, k, v, dout)
-    result["fwd"] = time_ms(lambda _: fn(q, k, v), steps, device)
-
-    def fresh_forward():  # each backward needs its own graph; building it is not timed
-        clear_grads(q, k, v)
-        return fn(q, k, v)
-
-    result["bwd"] = time_ms(lambda out: out.backward(dout), steps, device, fresh_forward)
     return result
 
 
+def time_config(fns, q, k, v, dout, args, device):
+    """Forward and forward+backward of every implementation, interleaved in rounds (gpt.compare):
+    {name: {"fwd": Timing, "both": Timing}}; None where an implementation ran out of memory."""
+    baseline = args.baseline if args.baseline in fns else None
+    timings = {}
+    for mode, step in (("fwd", lambda fn: fn(q, k, v)),
+                       # autograd.grad, not .backward(): nothing accumulates into .grad between steps
+                       ("both", lambda fn: torch.autograd.grad(fn(q, k, v), (q, k, v), dout))):
+        variants = {name: (lambda fn=fn: step(fn)) for name, fn in fns.items()}
+        timings[mode] = compare(variants, device, baseline, args.rounds, args.steps, args.warmup)
+    return {name: {mode: timings[mode][name] for mode in timings} for name in fns}
 
 
 def guarded(work, device):
@@ -266,7 +239,7 @@ def guarded(work, device):
 
 
 def fmt_cell(cell, show):
-    if cell == "OOM" or cell == "skip":
+    if cell in ("OOM", "skip"):
         return cell
     if isinstance(cell, tuple):
         return "n/a"
@@ -274,22 +247,24 @@ def fmt_cell(cell, show):
 
 
 def run_sweep(args, impls, device, dtype):
+    """{(D, S): {impl: cell}}: a cell is a dict (memory, then "fwd" and "both" Timings, None if
+    out of memory in the timer's warm-up), "OOM", or ("n/a", reason)."""
     results, notes = {}, {}
     configs = [(D, S) for D in args.d for S in args.seq]
     for i, (D, S) in enumerate(configs, 1):
-        row = {}
-        for name, fn in impls.items():
-            if isinstance(fn, str):
-                row[name] = ("n/a", fn)
-            else:
-                row[name] = guarded(lambda: measure(fn, name, args.batch, args.heads, S, D, dtype, device,
-                                                    args.steps, args.warmup), device)
-            if isinstance(row[name], tuple):
-                notes.setdefault(name, row[name][1])
+        q, k, v, dout = random_qkv(args.batch, args.heads, S, D, dtype, device)
+        row = {name: ("n/a", fn) if isinstance(fn, str) else
+               guarded(lambda: measure_memory(fn, name, q, k, v, dout, device), device) for name, fn in impls.items()}
+        ran = {name: fn for name, fn in impls.items() if isinstance(row[name], dict)}
+        timed = guarded(lambda: time_config(ran, q, k, v, dout, args, device), device) if ran else {}
+        for name in ran:
+            row[name] = timed if timed == "OOM" else {**row[name], **timed[name]}
+        notes.update({name: cell[1] for name, cell in row.items() if isinstance(cell, tuple) and name not in notes})
         results[(D, S)] = row
-        states = ", ".join(f"{n} {c if isinstance(c, str) else 'n/a' if isinstance(c, tuple) else 'ok'}"
-                           for n, c in row.items())
-        print(f"[{i}/{len(configs)}] D={D} S={S}: {states}", flush=True)
+        del q, k, v, dout
+        free_memory()
+        print(f"[{i}/{len(configs)}] D={D} S={S}: " + ", ".join(f"{n} {c if isinstance(c, str) else 'n/a' if isinstance(c, tuple) else 'ok'}"
+                                                             for n, c in row.items()), flush=True)
     return results, notes
 
 
@@ -297,18 +272,23 @@ def rewritten(cell):
     return isinstance(cell, dict) and bool(cell.get("sdpa_ops"))
 
 
-def print_sweep(results, notes, impls, device, steps):
+def timing(key, show):
+    """A table cell from one Timing of a measured cell (None: out of memory in the timer's warm-up)."""
+    return lambda c: "OOM" if c[key] is None else show(c[key]) + ("*" if rewritten(c) else "")
+
+
+def print_sweep(results, notes, impls, device, args):
     names = list(impls)
-    star = lambda cell, text: text + ("*" if rewritten(cell) else "")
-    tables = [(f"forward, ms (mean ± std of {steps})", lambda c: star(c, f"{c['fwd'][0]:.3f}±{c['fwd'][1]:.3f}")),
-              (f"backward, ms (mean ± std of {steps})", lambda c: star(c, f"{c['bwd'][0]:.3f}±{c['bwd'][1]:.3f}"))]
+    rounds = f"median (min-max) over {args.rounds} rounds of {args.steps} steps, implementations interleaved"
+    tables = [(f"forward, ms: {rounds}", timing("fwd", lambda t: t.ms(3))),
+              (f"forward+backward, ms: {rounds}", timing("both", lambda t: t.ms(3))),
+              (f"forward+backward vs {args.baseline}: median of the per-round ratios (min-max)", timing("both", lambda t: t.vs()))]
     if device.type == "cuda":
         tables.append(("memory allocated just before backward / peak during forward+backward, MiB",
-                       lambda c: star(c, f"{c['before'] / MIB:.0f} / {c['peak'] / MIB:.0f}")))
+                       lambda c: f"{c['before'] / MIB:.0f} / {c['peak'] / MIB:.0f}" + ("*" if rewritten(c) else "")))
     for title, show in tables:
         print(f"\n{title}")
-        print_table(["D", "S", *names], [[D, S, *(fmt_cell(row[n], show) for n in names)]
-                                        for (D, S), row in results.items()])
+        print_table(["D", "S", *names], [[D, S, *(fmt_cell(row[n], show) for n in names)] for (D, S), row in results.items()])
     for name, reason in notes.items():
         print(f"n/a {name}: {reason}")
     cells = [row["compiled"] for row in results.values() if isinstance(row.get("compiled"), dict)]
@@ -319,6 +299,27 @@ def print_sweep(results, notes, impls, device, steps):
                   f" {len(cells)} configurations; the profiler saw {', '.join(ops)}")
         else:
             print("compiled: no SDPA op in the profile of any configuration: Inductor kept matmul, fused softmax, matmul")
+
+
+def plot_sweep(results, impls, path, ms, memory):
+    """forward+backward ms(cell) and, with memory, peak MiB against S: a column per head dim."""
+    plt = plot_to(path)
+    dims = sorted({D for D, _ in results})
+    metrics = [("forward+backward, ms", ms)] + ([("peak memory, MiB", lambda c: c["peak"] / MIB)] if memory else [])
+    fig, axes = plt.subplots(len(metrics), len(dims), figsize=(4.5 * len(dims), 3.5 * len(metrics)), squeeze=False)
+    for col, D in enumerate(dims):
+        for row, (label, value) in enumerate(metrics):
+            ax = axes[row][col]
+            for name in impls:
+                cells = [(S, results[D, S][name]) for d, S in results if d == D]
+                points = [(S, value(c)) for S, c in cells if isinstance(c, dict) and value(c) is not None]
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=name)
+            ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel=label, title=f"D={D}")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 # --- 5. memory accounting for naive attention: prediction vs measurement, and where it breaks
@@ -385,31 +386,20 @@ def attention_flops(B, H, S, D, causal):
     return 4 * B * H * S * S * D / (2 if causal else 1)
 
 
-def bench_ms(fn, device, grads):
-    """Median ms. do_bench warms up, flushes L2 between calls and syncs; on a CPU there is no
-    CUDA to sync, so a plain perf_counter median."""
+def suite_ms(fn, device):
+    """Median ms of fn(): do_bench on a GPU (it warms up, flushes the L2 cache between calls and
+    syncs); on a CPU, gpt.py's timer with this one variant."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return do_bench(fn, grad_to_none=grads, return_mode="median")
-    fn()
-    times = []
-    for _ in range(5):
-        clear_grads(*grads)
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        return do_bench(fn, return_mode="median")
+    return statistics.median(time_rounds({"fn": fn}, device, rounds=5, steps=1, warmup=1)[0]["fn"])
 
 
 def bench_suite_config(fn, B, H, S, D, dtype, device):
     q, k, v, dout = random_qkv(B, H, S, D, dtype, device)
-    fwd = bench_ms(lambda: fn(q, k, v), device, [q, k, v])
-    out = fn(q, k, v)
-    bwd = bench_ms(lambda: out.backward(dout, retain_graph=True), device, [q, k, v])
-    del out
-    both = bench_ms(lambda: fn(q, k, v).backward(dout), device, [q, k, v])
-    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": both}
+    return {"fwd": suite_ms(lambda: fn(q, k, v), device),
+            "fwd+bwd": suite_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), device)}
 
 
 def run_suite(args, impls, device, dtypes):
@@ -435,7 +425,7 @@ def run_suite(args, impls, device, dtypes):
                 print(f"{dtype_name} D={D} S={S}: " + ", ".join(
                     f"{n} {c if isinstance(c, str) else 'n/a' if isinstance(c, tuple) else 'ok'}" for n, c in row.items()),
                     flush=True)
-        for mode, factor in (("fwd", 1.0), ("bwd", 2.5), ("fwd+bwd", 3.5)):
+        for mode, factor in (("fwd", 1.0), ("fwd+bwd", 3.5)):
             print(f"\n{dtype_name} {mode}, B={B} H={H} causal: median ms (TFLOP/s, FA convention)")
             show = lambda c, D, S: f"{c[mode]:.3f} ({factor * attention_flops(B, H, S, D, True) / c[mode] / 1e9:.3g})"
             print_table(["D", "S", *impls], [[D, S, *(fmt_cell(row[n], lambda c: show(c, D, S)) for n in impls)]
@@ -454,91 +444,107 @@ def parse_list(text, flag):
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        fail(f"{flag} takes comma-separated integers, got '{text}'")
+        raise ValueError(f"{flag} takes comma-separated integers, got '{text}'") from None
     if not values or min(values) < 1:
-        fail(f"{flag} values must be positive integers, got '{text}'")
+        raise ValueError(f"{flag} values must be positive integers, got '{text}'")
     return values
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", choices=["sweep", "flash"], default="sweep")
-    parser.add_argument("--impl", help=f"comma-separated, from {','.join(IMPLS)}")
-    parser.add_argument("--d", help="head dimensions, comma-separated")
-    parser.add_argument("--seq", help="sequence lengths, comma-separated")
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--heads", type=int)
-    parser.add_argument("--dtype", choices=list(DTYPES), help="sweep default bf16; suite default bf16 and fp32")
-    parser.add_argument("--causal", action="store_true", help="causal mask (the flash suite is always causal)")
-    parser.add_argument("--steps", type=int, help="timed forwards and backwards per cell (GPU default 100)")
-    parser.add_argument("--warmup", type=int)
-    parser.add_argument("--memory-fraction", type=float, help="cap this process's GPU memory, e.g. 0.05")
-    parser.add_argument("--device")
-    args = parser.parse_args()
-
-    try:
-        device = resolve_device(args.device)
-    except (RuntimeError, ValueError) as e:
-        fail(str(e))
+def parse_args(argv):
+    """Flags, defaults by device and suite, and every range checked: ValueError in one sentence."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", choices=["sweep", "flash"], default="sweep")
+    p.add_argument("--impl", help=f"comma-separated, from {','.join(IMPLS)}")
+    p.add_argument("--baseline", help="implementation the ratio column divides by (default flash, else the first)")
+    p.add_argument("--d", help="head dimensions, comma-separated")
+    p.add_argument("--seq", help="sequence lengths, comma-separated")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--dtype", choices=list(DTYPES), help="sweep default bf16; suite default bf16 and fp32")
+    p.add_argument("--causal", action="store_true", help="causal mask (the flash suite is always causal)")
+    p.add_argument("--rounds", type=int, help="rounds of the interleaved timer (GPU default 10)")
+    p.add_argument("--steps", type=int, help="steps per implementation per round (GPU default 5)")
+    p.add_argument("--warmup", type=int, help="untimed steps per implementation first")
+    p.add_argument("--memory-fraction", type=float, help="cap this process's GPU memory, e.g. 0.05")
+    p.add_argument("--device")
+    p.add_argument("--plot", help="draw ms and peak memory against S into this PNG (needs matplotlib)")
+    args = p.parse_args(argv)
+    args.device = resolve_device(args.device)
     suite = args.suite == "flash"
-    defaults = (GPU_SUITE if suite else GPU_SWEEP) if device.type == "cuda" else (CPU_SUITE if suite else CPU_SWEEP)
+    defaults = (GPU_SUITE if suite else GPU_SWEEP) if args.device.type == "cuda" else (CPU_SUITE if suite else CPU_SWEEP)
     names = args.impl.split(",") if args.impl else list(SUITE_IMPLS if suite else IMPLS)
-    unknown = [n for n in names if n not in IMPLS]
-    if unknown:
-        fail(f"unknown implementation '{unknown[0]}'; choose from {', '.join(IMPLS)}")
+    if unknown := [n for n in names if n not in IMPLS]:
+        raise ValueError(f"unknown implementation '{unknown[0]}'; choose from {', '.join(IMPLS)}")
+    args.impl = names
+    args.baseline = args.baseline or ("flash" if "flash" in names else names[0])
+    if args.baseline not in names:
+        raise ValueError(f"--baseline {args.baseline} is not among the implementations ({', '.join(names)})")
     args.d = parse_list(args.d, "--d") if args.d else defaults["d"]
     args.seq = parse_list(args.seq, "--seq") if args.seq else defaults["seq"]
-    for flag in ("batch", "heads", "steps", "warmup"):
+    for flag in ("batch", "heads", "rounds", "steps", "warmup"):
         if getattr(args, flag) is None:
             setattr(args, flag, defaults.get(flag, 1))
         if getattr(args, flag) < (0 if flag == "warmup" else 1):
-            fail(f"--{flag} must be {'non-negative' if flag == 'warmup' else 'at least 1'}, got {getattr(args, flag)}")
+            raise ValueError(f"--{flag} must be {'non-negative' if flag == 'warmup' else 'at least 1'}, got {getattr(args, flag)}")
     if args.memory_fraction is not None:
-        if device.type != "cuda":
-            fail("--memory-fraction caps GPU memory and needs a CUDA device")
+        if args.device.type != "cuda":
+            raise ValueError("--memory-fraction caps GPU memory and needs a CUDA device")
         if not 0 < args.memory_fraction <= 1:
-            fail(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
+            raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
+    if args.plot:
+        plot_to(args.plot)  # matplotlib present and the path writable, before any work
+    return args
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        fail(str(e))
+    device, suite = args.device, args.suite == "flash"
+    if args.memory_fraction is not None:
         # The caching allocator raises OutOfMemoryError past this fraction of the GPU's memory.
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
-
     where = (f"{torch.cuda.get_device_name(device)}" if device.type == "cuda"
              else "CPU: no CUDA GPU, so a tiny sweep that finishes in seconds instead of the GPU default")
-    import triton
-
-    print(f"{where}; torch {torch.__version__}, triton {triton.__version__}; batch {args.batch}, heads {args.heads},"
-          f" D {args.d}, S {args.seq}" + ("" if suite else f", {args.steps} timed steps after {args.warmup} warm-up"))
-    if suite:
-        args.causal = True
-        dtypes = [args.dtype] if args.dtype else ["bf16", "fp32"]
-        impls = make_impls(names, True, device)
-        last = None
-        for dtype_name, results in run_suite(args, impls, device, dtypes):
-            last = (dtype_name, results)
-        print(suite_summary(*last, args))
-        return
-    args.dtype = args.dtype or "bf16"
-    dtype = DTYPES[args.dtype]
-    print(f"{args.dtype}{', causal' if args.causal else ', not causal'}; fp32 matmuls use torch's default (TF32 off)")
-    impls = make_impls(names, args.causal, device)
-    results, notes = run_sweep(args, impls, device, dtype)
-    print_sweep(results, notes, impls, device, args.steps)
-    if "naive" in impls:
-        print_memory_accounting(results, args, dtype, device)
-    print(sweep_summary(results, args))
+    print(f"{where}; torch {torch.__version__}; batch {args.batch}, heads {args.heads}, D {args.d}, S {args.seq}"
+          + ("" if suite else f"; {args.rounds} rounds of {args.steps} steps after {args.warmup} warm-up"))
+    try:
+        if suite:
+            dtypes = [args.dtype] if args.dtype else ["bf16", "fp32"]
+            for dtype_name, results in run_suite(args, make_impls(args.impl, True, device), device, dtypes):
+                pass
+            if args.plot:
+                plot_sweep(results, args.impl, args.plot, lambda c: c["fwd+bwd"], memory=False)
+            print(suite_summary(dtype_name, results))
+            return
+        args.dtype = args.dtype or "bf16"
+        dtype = DTYPES[args.dtype]
+        print(f"{args.dtype}{', causal' if args.causal else ', not causal'}; fp32 matmuls use torch's default (TF32 off)")
+        impls = make_impls(args.impl, args.causal, device)
+        results, notes = run_sweep(args, impls, device, dtype)
+        print_sweep(results, notes, impls, device, args)
+        if "naive" in impls:
+            print_memory_accounting(results, args, dtype, device)
+        if args.plot:
+            plot_sweep(results, impls, args.plot, lambda c: c["both"] and c["both"].median, device.type == "cuda")
+        print(sweep_summary(results, args))
+    except torch.OutOfMemoryError as e:  # outside a sweep cell (cells catch their own)
+        fail(f"out of GPU memory outside the sweep cells: {str(e).splitlines()[0][:120]}")
 
 
 def sweep_summary(results, args):
-    """One line: at the largest configuration every impl reached, fwd+bwd of each, fastest first."""
+    """One line: at the largest configuration, forward+backward of each implementation, fastest
+    first, with its paired ratio to the baseline."""
     (D, S), row = list(results.items())[-1]
-    done = {n: c["fwd"][0] + c["bwd"][0] for n, c in row.items() if isinstance(c, dict)}
-    ranked = sorted(done.items(), key=lambda kv: kv[1])
-    ooms = [n for n, c in row.items() if c == "OOM"]
-    text = ", ".join(f"{n} {ms:.3f}" for n, ms in ranked) or "no implementation ran"
-    return (f"summary: D={D} S={S} {args.dtype}, forward+backward ms: {text}"
-            + (f"; OOM: {', '.join(ooms)}" if ooms else ""))
+    done = {n: c["both"] for n, c in row.items() if isinstance(c, dict) and c.get("both") is not None}
+    text = ", ".join(f"{n} {t.median:.3f} ms ({t.vs()})" for n, t in sorted(done.items(), key=lambda kv: kv[1].median))
+    ooms = [n for n, c in row.items() if c == "OOM" or (isinstance(c, dict) and c.get("both") is None)]
+    return (f"summary: D={D} S={S} {args.dtype}, forward+backward median ms (vs {args.baseline}): "
+            f"{text or 'no implementation ran'}" + (f"; OOM: {', '.join(ooms)}" if ooms else ""))
 
 
-def suite_summary(dtype_name, results, args):
+def suite_summary(dtype_name, results):
     (D, S), row = list(results.items())[-1]
     done = sorted(((c["fwd+bwd"], n) for n, c in row.items() if isinstance(c, dict)))
     text = ", ".join(f"{n} {ms:.3f} ms" for ms, n in done) or "no implementation ran"

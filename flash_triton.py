@@ -5,41 +5,42 @@ on chip, streams key/value tiles past it with an online softmax (a running max a
 writes O and the row logsumexp L once. The backward recomputes P from Q, K and L instead of
 storing it, with one kernel that owns dK/dV per key tile and one that owns dQ per query tile, so
 no atomics are needed and the gradients are bitwise deterministic. Causal masking skips the tiles
-above the diagonal and masks only the diagonal ones.
+above the diagonal and masks only the diagonal ones. This file imports nothing from the
+repository: copy it and it runs.
 
     python flash_triton.py                 # checks vs a float64 reference, then the benchmark
-    python flash_triton.py --autotune      # search tile sizes / warps / stages per shape
-    python flash_triton.py --head-dims 64 --seqs 16384 --dtype fp16
+    python flash_triton.py --variants base,tma,pair,autotune      # each kernel option, timed
+    python flash_triton.py --seqs 1024 2048 4096 8192 16384 --plot flash.png
 
-    from flash_triton import flash_attention
-    y = flash_attention(q, k, v, causal=True)      # (B, S, D) or (B, H, S, D)
+    from flash_triton import FlashAttention, flash_attention
+    o = FlashAttention.apply(q, k, v, True)        # (batch, seq, d), (batch, heads, seq, d), ...
+    o = flash_attention(q, k, v, causal=True)      # the same, as a plain function
 
-Excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-22; bf16, causal, H=16;
-cells: median ms / TFLOP/s):
+Kernel options (--variants, or FLASH_VARIANT=tma+pair for a whole program such as train.py):
+tma loads tiles through Hopper's tensor-memory accelerator, ws adds warp specialization to the
+forward's main loop, pair gives each program one long and one short causal tile, autotune lets
+@triton.autotune pick the tiles per (sequence length, head dim, causal). base is the default.
 
-    shape               fwd ours     fwd sdpa flash  fwd sdpa cudnn  fwd+bwd ours  fwd+bwd sdpa flash  fwd+bwd sdpa cudnn
-    B1 H16 S16384 D64   1.330 / 413     1.977 / 278     1.295 / 424   5.212 / 369         6.944 / 277         4.550 / 423
-    B4 H16 S4096 D128   0.655 / 420     0.913 / 301     0.516 / 532   2.634 / 365         3.632 / 265         2.034 / 473
+(excerpt to be refreshed from the next GPU run)
 """
 
 import argparse
+import contextlib
 import math
 import os
+import re
 import sys
 
 import torch
 
 # The Triton interpreter must be chosen before triton is imported: without a GPU the kernels run
 # (slowly, in numpy) under TRITON_INTERPRET=1, which is what the CPU tests rely on.
-INTERPRETED = not torch.cuda.is_available()
-if INTERPRETED:
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-from gpt import fail, print_table  # noqa: E402
 
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -48,25 +49,38 @@ LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): exp2 is the native in
 LOG2E_K = tl.constexpr(LOG2E)
 LN2_K = tl.constexpr(0.6931471805599453)
 
-# --- 1. the reference: FlashAttention-2 tile by tile in plain PyTorch
+
+def fail(message):
+    """Stop on bad input with one sentence and exit status 2 (no traceback)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def print_table(headers, rows):
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        print("  ".join(c.ljust(w) if i < 2 or n == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+# --- 1. the reference: FlashAttention-2 tile by tile in plain PyTorch, on (..., seq, d) tensors
 
 
 def _torch_forward(q, k, v, causal, scale, block=64):
-    """O and L (natural-log logsumexp of the scaled scores, fp32) of (B, H, S, D) tensors, by the
-    FA2 forward loop: per query tile, an online softmax over key tiles. Computed in fp32."""
+    """O and L (natural-log logsumexp of the scaled scores, fp32, shaped like q without its last
+    dimension) by the FA2 forward loop: per query tile, an online softmax over key tiles."""
     q, k, v = q.float(), k.float(), v.float()
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    o = torch.empty_like(q)
-    lse = torch.empty(B, H, Nq, device=q.device)
+    Nq, Nk = q.shape[-2], k.shape[-2]
+    o, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
     for i in range(0, Nq, block):
-        qi = q[:, :, i : i + block]
-        rows = torch.arange(i, i + qi.shape[2], device=q.device)
-        m = torch.full(qi.shape[:3], -math.inf, device=q.device)
-        l = torch.zeros_like(m)
-        acc = torch.zeros_like(qi)
+        qi = q[..., i : i + block, :]
+        rows = torch.arange(i, i + qi.shape[-2], device=q.device)
+        m = q.new_full(qi.shape[:-1], -math.inf)
+        l, acc = torch.zeros_like(m), torch.zeros_like(qi)
         for j in range(0, min(Nk, i + block) if causal else Nk, block):  # skip tiles above the diagonal
-            s = (qi @ k[:, :, j : j + block].transpose(-1, -2)) * scale
+            s = (qi @ k[..., j : j + block, :].transpose(-1, -2)) * scale
             if causal:
                 cols = torch.arange(j, j + s.shape[-1], device=q.device)
                 s = s.masked_fill(cols[None, :] > rows[:, None], -math.inf)
@@ -74,10 +88,10 @@ def _torch_forward(q, k, v, causal, scale, block=64):
             p = torch.exp(s - m_new[..., None])
             alpha = torch.exp(m - m_new)  # rescales what was summed under the old max
             l = l * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + p @ v[:, :, j : j + block]
+            acc = acc * alpha[..., None] + p @ v[..., j : j + block, :]
             m = m_new
-        o[:, :, i : i + block] = acc / l[..., None]
-        lse[:, :, i : i + block] = m + torch.log(l)
+        o[..., i : i + block, :] = acc / l[..., None]
+        lse[..., i : i + block] = m + torch.log(l)
     return o, lse
 
 
@@ -88,39 +102,43 @@ def _torch_backward(q, k, v, o, lse, do, causal, scale, block=64):
     q, k, v, o, do = (t.float() for t in (q, k, v, o, do))
     delta = (do * o).sum(-1)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    Nq, Nk = q.shape[2], k.shape[2]
+    Nq, Nk = q.shape[-2], k.shape[-2]
     for j in range(0, Nk, block):
-        kj, vj = k[:, :, j : j + block], v[:, :, j : j + block]
-        cols = torch.arange(j, j + kj.shape[2], device=q.device)
+        kj, vj = k[..., j : j + block, :], v[..., j : j + block, :]
+        cols = torch.arange(j, j + kj.shape[-2], device=q.device)
         for i in range(j // block * block if causal else 0, Nq, block):
-            qi, doi = q[:, :, i : i + block], do[:, :, i : i + block]
-            p = torch.exp((qi @ kj.transpose(-1, -2)) * scale - lse[:, :, i : i + block, None])
+            qi, doi = q[..., i : i + block, :], do[..., i : i + block, :]
+            p = torch.exp((qi @ kj.transpose(-1, -2)) * scale - lse[..., i : i + block, None])
             if causal:
-                rows = torch.arange(i, i + qi.shape[2], device=q.device)
+                rows = torch.arange(i, i + qi.shape[-2], device=q.device)
                 p = p.masked_fill(cols[None, :] > rows[:, None], 0.0)
-            dv[:, :, j : j + block] += p.transpose(-1, -2) @ doi
-            ds = p * (doi @ vj.transpose(-1, -2) - delta[:, :, i : i + block, None])
-            dq[:, :, i : i + block] += scale * ds @ kj
-            dk[:, :, j : j + block] += scale * ds.transpose(-1, -2) @ qi
+            dv[..., j : j + block, :] += p.transpose(-1, -2) @ doi
+            ds = p * (doi @ vj.transpose(-1, -2) - delta[..., i : i + block, None])
+            dq[..., i : i + block, :] += scale * ds @ kj
+            dk[..., j : j + block, :] += scale * ds.transpose(-1, -2) @ qi
     return dq, dk, dv
 
 
 class FlashAttentionTorch(torch.autograd.Function):
-    """The readable reference: O from the tiled forward, L kept for a backward that recomputes P."""
+    """The readable reference: O from the tiled forward, L kept for a backward that recomputes P.
+    apply(q, k, v, is_causal=False, scale=None, precision=None); precision is accepted for the
+    same signature as FlashAttention (this one always computes in fp32)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal=False, scale=None):
+    def forward(ctx, q, k, v, is_causal=False, scale=None, precision=None):
+        check_shapes(q, k, v, is_causal)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        o, lse = _torch_forward(q, k, v, causal, scale)
+        o, lse = _torch_forward(q, k, v, is_causal, scale)
+        o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return o.to(q.dtype)
+        ctx.causal, ctx.scale = is_causal, scale
+        return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _torch_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def naive_reference(q, k, v, causal, scale):
@@ -136,21 +154,46 @@ def naive_reference(q, k, v, causal, scale):
 
 
 @triton.jit
-def _load_tile(ptrs, rows, n_rows, MASKED: tl.constexpr):
-    # Full tiles load without a mask; only ragged or diagonal tiles pay for the bounds check.
-    if MASKED:
-        return tl.load(ptrs, mask=rows < n_rows, other=0.0)
-    return tl.load(ptrs)
+def _rows(base, n_rows, stride, BLOCK: tl.constexpr, D: tl.constexpr, TMA: tl.constexpr):
+    # One head's (n_rows, D) matrix as a TMA descriptor (the copy engine computes the addresses
+    # and fills rows past the end with zeros), or the plain pointer for per-thread addressing.
+    if TMA:
+        return tl.make_tensor_descriptor(base, shape=[n_rows, D], strides=[stride, 1], block_shape=[BLOCK, D])
+    else:  # both branches return: the compiler must not see a pointer after a descriptor
+        return base
 
 
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, lo, hi, Nk, qk_scale,
+def _tile(src, start, n_rows, stride, BLOCK: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr,
+          TMA: tl.constexpr, TRANS: tl.constexpr):
+    # Rows start..start+BLOCK of a _rows matrix, as [BLOCK, D] or transposed [D, BLOCK]. Full tiles
+    # load without a mask; only ragged or diagonal tiles pay for the bounds check.
+    if TMA:
+        t = src.load([start, 0])
+        if TRANS:
+            t = tl.trans(t)
+    else:
+        rows = start + tl.arange(0, BLOCK)
+        if TRANS:
+            ptrs = src + rows[None, :] * stride + tl.arange(0, D)[:, None]
+            inside = rows[None, :] < n_rows
+        else:
+            ptrs = src + rows[:, None] * stride + tl.arange(0, D)[None, :]
+            inside = rows[:, None] < n_rows
+        if MASKED:
+            t = tl.load(ptrs, mask=inside, other=0.0)
+        else:
+            t = tl.load(ptrs)
+    return t
+
+
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, lo, hi, Nk, qk_scale,
                CAUSAL: tl.constexpr, MASKED: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-               PRECISION: tl.constexpr):
-    offs_d = tl.arange(0, D)
-    for start_n in range(lo, hi, BLOCK_N):
+               PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(K + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n[:, None], Nk, MASKED)
+        k = _tile(K, start_n, Nk, skn, BLOCK_N, D, MASKED, TMA, False)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             keep = offs_n[None, :] < Nk
@@ -165,26 +208,16 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, stride_kn, stride_vn, offs_m, lo, hi, Nk,
         p = tl.math.exp2(qk)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(V + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n[:, None], Nk, MASKED)
+        v = _tile(V, start_n, Nk, svn, BLOCK_N, D, MASKED, TMA, False)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, L, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                H, Nq, Nk, qk_scale,
-                CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                PRECISION: tl.constexpr):
-    qk_scale = tl.cast(qk_scale, tl.float32)  # see _dkdv_kernel
-    start_m = tl.program_id(0)
-    if CAUSAL:  # the last query tiles have the most keys: start them first to shorten the tail
-        start_m = tl.num_programs(0) - 1 - start_m
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    Q += b * sqb + h * sqh
-    K += b * skb + h * skh
-    V += b * svb + h * svh
+def _fwd_tile(Q, K, V, O, L, sqn, skn, svn, son, Nq, Nk, qk_scale, start_m,
+              CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     q = tl.load(Q + offs_m[:, None] * sqn + offs_d[None, :], mask=offs_m[:, None] < Nq, other=0.0)
@@ -200,13 +233,38 @@ def _fwd_kernel(Q, K, V, O, L, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
         full_end = Nk // BLOCK_N * BLOCK_N
         masked_end = Nk
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, 0, full_end, Nk, qk_scale,
-                               CAUSAL, False, D, BLOCK_N, PRECISION)
+                               CAUSAL, False, D, BLOCK_N, PRECISION, TMA, WS)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, full_end, masked_end, Nk,
-                               qk_scale, CAUSAL, True, D, BLOCK_N, PRECISION)
-    o = acc / l_i[:, None]
+                               qk_scale, CAUSAL, True, D, BLOCK_N, PRECISION, TMA, False)
+    tl.store(O + offs_m[:, None] * son + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
+             mask=offs_m[:, None] < Nq)
+    tl.store(L + offs_m, (m_i + tl.math.log2(l_i)) * LN2_K, mask=offs_m < Nq)
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, L, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+                H, Nq, Nk, qk_scale,
+                CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, PAIR: tl.constexpr):
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)  # causal: the unmasked stage ends on a key-tile boundary
+    qk_scale = tl.cast(qk_scale, tl.float32)  # see _dkdv_kernel
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    Q += b * sqb + h * sqh
+    K = _rows(K + b * skb + h * skh, Nk, skn, BLOCK_N, D, TMA)
+    V = _rows(V + b * svb + h * svh, Nk, svn, BLOCK_N, D, TMA)
     O += b * sob + h * soh
-    tl.store(O + offs_m[:, None] * son + offs_d[None, :], o.to(O.dtype.element_ty), mask=offs_m[:, None] < Nq)
-    tl.store(L + bh * Nq + offs_m, (m_i + tl.math.log2(l_i)) * LN2_K, mask=offs_m < Nq)
+    L += bh * Nq
+    pid, last = tl.program_id(0), tl.cdiv(Nq, BLOCK_M) - 1
+    args = (Q, K, V, O, L, sqn, skn, svn, son, Nq, Nk, qk_scale)
+    if PAIR:  # causal tile i sees i+1 key tiles: tiles i and last-i together make equal work
+        _fwd_tile(*args, last - pid, CAUSAL, D, BLOCK_M, BLOCK_N, PRECISION, TMA, WS)
+        if pid < last - pid:
+            _fwd_tile(*args, pid, CAUSAL, D, BLOCK_M, BLOCK_N, PRECISION, TMA, WS)
+    elif CAUSAL:  # the last query tiles have the most keys: start them first to shorten the tail
+        _fwd_tile(*args, last - pid, CAUSAL, D, BLOCK_M, BLOCK_N, PRECISION, TMA, WS)
+    else:
+        _fwd_tile(*args, pid, CAUSAL, D, BLOCK_M, BLOCK_N, PRECISION, TMA, WS)
 
 
 # --- 3. Triton backward: D = rowsum(dO*O), then dK/dV per key tile, then dQ per query tile
@@ -227,22 +285,22 @@ def _delta_kernel(O, DO, Delta, sob, soh, son, sdb, sdh, sdn, H, Nq, D: tl.const
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, sqn, sdn, offs_n, lo, hi, Nq, qk_scale,
                 CAUSAL: tl.constexpr, MASKED: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                PRECISION: tl.constexpr):
-    offs_d = tl.arange(0, D)
+                PRECISION: tl.constexpr, TMA: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        qT = _load_tile(Q + offs_m[None, :] * sqn + offs_d[:, None], offs_m[None, :], Nq, MASKED)
+        qT = _tile(Q, start_m, Nq, sqn, BLOCK_M, D, MASKED, TMA, True)
         # Rows past Nq get L = +inf, so their P is exactly 0 without a score mask.
         if MASKED:
             lse2 = tl.load(L + offs_m, mask=offs_m < Nq, other=float("inf")) * LOG2E_K
+            delta = tl.load(Delta + offs_m, mask=offs_m < Nq, other=0.0)
         else:
             lse2 = tl.load(L + offs_m) * LOG2E_K
+            delta = tl.load(Delta + offs_m)
         pT = tl.math.exp2(tl.dot(k, qT, input_precision=PRECISION) * qk_scale - lse2[None, :])
         if CAUSAL and MASKED:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-        do = _load_tile(DO + offs_m[:, None] * sdn + offs_d[None, :], offs_m[:, None], Nq, MASKED)
+        do = _tile(DO, start_m, Nq, sdn, BLOCK_M, D, MASKED, TMA, False)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-        delta = _load_tile(Delta + offs_m, offs_m, Nq, MASKED)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PRECISION)
@@ -250,56 +308,68 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, sqn, sdn, offs_n, lo, hi, Nq, qk_
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
-                 sdb, sdh, sdn, H, Nq, Nk, qk_scale, scale,
-                 CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DIAG_M: tl.constexpr, PRECISION: tl.constexpr):
-    # Under torch.compile, Inductor launches these kernels and types Python floats as fp64; fp64
-    # scales would turn the whole softmax fp64 (and tl.dot's fp32 accumulator a type error).
-    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
-    start_n = tl.program_id(0) * BLOCK_N  # with causal, tile 0 sees every query: heavy tiles first
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
+def _dkdv_tile(Q, Qd, K, V, DO, DOd, L, Delta, DK, DV, sqn, skn, svn, sdn, Nq, Nk, qk_scale, scale, tile,
+               CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               DIAG: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    start_n = tile * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     rows = offs_n[:, None] < Nk
-    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], mask=rows, other=0.0)
-    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], mask=rows, other=0.0)
-    Q += b * sqb + h * sqh
-    DO += b * sdb + h * sdh
-    L += bh * Nq
-    Delta += bh * Nq
+    k = tl.load(K + offs_n[:, None] * skn + offs_d[None, :], mask=rows, other=0.0)
+    v = tl.load(V + offs_n[:, None] * svn + offs_d[None, :], mask=rows, other=0.0)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     full_end = Nq // BLOCK_M * BLOCK_M
     if CAUSAL:
         # The diagonal tile in thin query slices (less masked-away work), then every query tile
         # below it unmasked, then a ragged last tile if any. Key rows past Nk are never stored.
-        diag_end = tl.minimum(start_n + BLOCK_N, Nq)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, sqn, sdn, offs_n, start_n, diag_end, Nq,
-                             qk_scale, CAUSAL, True, D, DIAG_M, PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Qd, DOd, L, Delta, sqn, sdn, offs_n, start_n,
+                             tl.minimum(start_n + BLOCK_N, Nq), Nq, qk_scale, CAUSAL, True, D, DIAG, PRECISION, TMA)
         full_start = start_n + BLOCK_N
     else:
         full_start = 0
     dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, sqn, sdn, offs_n, full_start, full_end, Nq,
-                         qk_scale, CAUSAL, False, D, BLOCK_M, PRECISION)
+                         qk_scale, CAUSAL, False, D, BLOCK_M, PRECISION, TMA)
     dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, sqn, sdn, offs_n, tl.maximum(full_start, full_end),
-                         Nq, Nq, qk_scale, CAUSAL, True, D, BLOCK_M, PRECISION)
-    out = bh * Nk * D + offs_n[:, None] * D + offs_d[None, :]  # dK, dV are contiguous (B, H, Nk, D)
+                         Nq, Nq, qk_scale, CAUSAL, True, D, BLOCK_M, PRECISION, TMA)
+    out = offs_n[:, None] * D + offs_d[None, :]  # dK, dV are contiguous (B, H, Nk, D)
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=rows)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=rows)
 
 
 @triton.jit
+def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
+                 sdb, sdh, sdn, H, Nq, Nk, qk_scale, scale,
+                 CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DIAG: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PAIR: tl.constexpr):
+    tl.static_assert(BLOCK_N % BLOCK_M == 0 and BLOCK_N % DIAG == 0)  # query slices tile the key tile
+    # Under torch.compile, Inductor launches these kernels and types Python floats as fp64; fp64
+    # scales would turn the whole softmax fp64 (and tl.dot's fp32 accumulator a type error).
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    Q += b * sqb + h * sqh
+    DO += b * sdb + h * sdh
+    args = (_rows(Q, Nq, sqn, BLOCK_M, D, TMA), _rows(Q, Nq, sqn, DIAG, D, TMA), K + b * skb + h * skh,
+            V + b * svb + h * svh, _rows(DO, Nq, sdn, BLOCK_M, D, TMA), _rows(DO, Nq, sdn, DIAG, D, TMA),
+            L + bh * Nq, Delta + bh * Nq, DK + bh * Nk * D, DV + bh * Nk * D, sqn, skn, svn, sdn, Nq, Nk, qk_scale, scale)
+    pid, last = tl.program_id(0), tl.cdiv(Nk, BLOCK_N) - 1
+    # with causal, key tile 0 sees every query: heavy tiles first (pid order), or paired with a light one
+    _dkdv_tile(*args, pid, CAUSAL, D, BLOCK_M, BLOCK_N, DIAG, PRECISION, TMA)
+    if PAIR:
+        if pid < last - pid:
+            _dkdv_tile(*args, last - pid, CAUSAL, D, BLOCK_M, BLOCK_N, DIAG, PRECISION, TMA)
+
+
+@triton.jit
 def _dq_inner(dq, q, do, lse2, delta, K, V, skn, svn, offs_m, lo, hi, Nk, qk_scale,
               CAUSAL: tl.constexpr, MASKED: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-              PRECISION: tl.constexpr):
-    offs_d = tl.arange(0, D)
+              PRECISION: tl.constexpr, TMA: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # Key rows past Nk load as zeros: their dS multiplies a zero K row, so no score mask.
-        kT = _load_tile(K + offs_n[None, :] * skn + offs_d[:, None], offs_n[None, :], Nk, MASKED)
-        vT = _load_tile(V + offs_n[None, :] * svn + offs_d[:, None], offs_n[None, :], Nk, MASKED)
+        kT = _tile(K, start_n, Nk, skn, BLOCK_N, D, MASKED, TMA, True)
+        vT = _tile(V, start_n, Nk, svn, BLOCK_N, D, MASKED, TMA, True)
         p = tl.math.exp2(tl.dot(q, kT, input_precision=PRECISION) * qk_scale - lse2[:, None])
         if CAUSAL and MASKED:
             p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
@@ -310,62 +380,138 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, skn, svn, offs_m, lo, hi, Nk, qk_sca
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, L, Delta, DQ, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
-               sdb, sdh, sdn, H, Nq, Nk, qk_scale, scale,
-               CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               DIAG_N: tl.constexpr, PRECISION: tl.constexpr):
-    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # see _dkdv_kernel
-    start_m = tl.program_id(0)
-    if CAUSAL:
-        start_m = tl.num_programs(0) - 1 - start_m
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _dq_tile(Q, K, Kd, V, Vd, DO, L, Delta, DQ, sqn, skn, svn, sdn, Nq, Nk, qk_scale, scale, tile,
+             CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             DIAG: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     rows = offs_m[:, None] < Nq
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=rows, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :], mask=rows, other=0.0)
-    lse2 = tl.load(L + bh * Nq + offs_m, mask=offs_m < Nq, other=float("inf")) * LOG2E_K
-    delta = tl.load(Delta + bh * Nq + offs_m, mask=offs_m < Nq, other=0.0)
-    K += b * skb + h * skh
-    V += b * svb + h * svh
+    q = tl.load(Q + offs_m[:, None] * sqn + offs_d[None, :], mask=rows, other=0.0)
+    do = tl.load(DO + offs_m[:, None] * sdn + offs_d[None, :], mask=rows, other=0.0)
+    lse2 = tl.load(L + offs_m, mask=offs_m < Nq, other=float("inf")) * LOG2E_K
+    delta = tl.load(Delta + offs_m, mask=offs_m < Nq, other=0.0)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    if CAUSAL:
-        full_end = start_m * BLOCK_M
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, skn, svn, offs_m, full_end,
-                       tl.minimum(full_end + BLOCK_M, Nk), Nk, qk_scale, CAUSAL, True, D, DIAG_N, PRECISION)
+    if CAUSAL:  # the diagonal in thin key slices, then every key tile left of it unmasked
+        full_end = tile * BLOCK_M
+        dq = _dq_inner(dq, q, do, lse2, delta, Kd, Vd, skn, svn, offs_m, full_end, tl.minimum(full_end + BLOCK_M, Nk),
+                       Nk, qk_scale, CAUSAL, True, D, DIAG, PRECISION, TMA)
     else:
         full_end = Nk // BLOCK_N * BLOCK_N
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, skn, svn, offs_m, full_end, Nk, Nk, qk_scale,
-                       CAUSAL, True, D, BLOCK_N, PRECISION)
+                       CAUSAL, True, D, BLOCK_N, PRECISION, TMA)
     dq = _dq_inner(dq, q, do, lse2, delta, K, V, skn, svn, offs_m, 0, full_end, Nk, qk_scale,
-                   CAUSAL, False, D, BLOCK_N, PRECISION)
-    tl.store(DQ + bh * Nq * D + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=rows)
+                   CAUSAL, False, D, BLOCK_N, PRECISION, TMA)
+    tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=rows)
 
 
-# --- 4. launchers, tile configurations and the autograd.Function
+@triton.jit
+def _dq_kernel(Q, K, V, DO, L, Delta, DQ, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
+               sdb, sdh, sdn, H, Nq, Nk, qk_scale, scale,
+               CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               DIAG: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, PAIR: tl.constexpr):
+    tl.static_assert(BLOCK_M % BLOCK_N == 0 and BLOCK_M % DIAG == 0)  # key slices tile the query tile
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # see _dkdv_kernel
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    K += b * skb + h * skh
+    V += b * svb + h * svh
+    args = (Q + b * sqb + h * sqh, _rows(K, Nk, skn, BLOCK_N, D, TMA), _rows(K, Nk, skn, DIAG, D, TMA),
+            _rows(V, Nk, svn, BLOCK_N, D, TMA), _rows(V, Nk, svn, DIAG, D, TMA), DO + b * sdb + h * sdh,
+            L + bh * Nq, Delta + bh * Nq, DQ + bh * Nq * D, sqn, skn, svn, sdn, Nq, Nk, qk_scale, scale)
+    pid, last = tl.program_id(0), tl.cdiv(Nq, BLOCK_M) - 1
+    if CAUSAL:  # as in the forward: the longest query tiles first, or paired with the shortest
+        _dq_tile(*args, last - pid, CAUSAL, D, BLOCK_M, BLOCK_N, DIAG, PRECISION, TMA)
+        if PAIR:
+            if pid < last - pid:
+                _dq_tile(*args, pid, CAUSAL, D, BLOCK_M, BLOCK_N, DIAG, PRECISION, TMA)
+    else:
+        _dq_tile(*args, pid, CAUSAL, D, BLOCK_M, BLOCK_N, DIAG, PRECISION, TMA)
+
+
+# --- 4. tile configurations, kernel options, launchers and the autograd.Functions
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim for 16-bit inputs; dkdv's BLOCK_M is the
 # query slice it iterates over its key tile (the diagonal tile uses half of it), dq's BLOCK_N the
-# key slice. Winners of --autotune on an H100, bf16, causal (B1 H16 S16384 D64 and B4 H16 S4096
-# D128); 16 and 32 take the D64 ones.
+# key slice. Winners of an autotune run on an H100, bf16, causal (B1 H16 S16384 D64 and B4 H16
+# S4096 D128); 16 and 32 take the D64 ones until measured.
 TUNED = {64: {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (128, 64, 4, 2)},
          128: {"fwd": (128, 128, 8, 3), "dkdv": (64, 64, 4, 2), "dq": (128, 64, 8, 3)}}
-CONFIGS = {kernel: {D: TUNED[max(D, 64)][kernel] for D in HEAD_DIMS} for kernel in ("fwd", "dkdv", "dq")}
+TUNED[16] = TUNED[32] = TUNED[64]
 # fp32 tiles take twice the shared memory, and exact fp32 dots run on the CUDA cores, not the
 # tensor cores: small tiles keep registers (and compile time) in check. The interpreter uses
-# small tiles too, so the CPU tests cross many tile boundaries.
+# small tiles too, so the CPU tests cross many tile (and diagonal sub-tile) boundaries.
 FP32_CONFIGS = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
-INTERPRETER_CONFIG = (16, 16, 4, 1)
+INTERPRETER_CONFIGS = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+# What --variants autotune searches, for 16-bit inputs. At D128 the dkdv tiles with 4 warps spill
+# registers (ptxas, sm_90); 8 warps or 32-query slices do not.
+CANDIDATES = {"fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+              "dkdv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2)],
+              "dq": [(128, 64, 4, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]}
+OPTIONS = ("tma", "ws", "pair", "autotune")
+KEY = ["Nq", "Nk", "D", "CAUSAL", "PRECISION", "TMA", "WS", "PAIR"]  # dtypes join the key by themselves
 
 
-def _config(kernel, D, dtype, override=None):
-    if override is not None:
-        return override
-    if INTERPRETED:
-        return INTERPRETER_CONFIG
-    return FP32_CONFIGS[kernel] if dtype == torch.float32 else CONFIGS[kernel][D]
+def _meta(kernel, bm, bn):
+    # the diagonal's sub-tile (DIAG): half of the dimension that iterates, at least a dot's 16
+    return {"BLOCK_M": bm, "BLOCK_N": bn, **({} if kernel == "fwd" else {"DIAG": max((bm if kernel == "dkdv" else bn) // 2, 16)})}
+
+
+KERNELS = {"fwd": _fwd_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
+AUTOTUNED = {name: triton.autotune([triton.Config(_meta(name, bm, bn), num_warps=w, num_stages=s) for bm, bn, w, s in
+                                    CANDIDATES[name]], key=[k for k in KEY if k in kernel.arg_names])(kernel)
+             for name, kernel in KERNELS.items()}
+
+
+def parse_variant(name):
+    """'base' or options joined by '+' (tma+pair) -> a sorted tuple of options; ws needs tma loads."""
+    options = set() if name == "base" else set(name.split("+"))
+    if unknown := sorted(options - set(OPTIONS)):
+        raise ValueError(f"unknown kernel option '{unknown[0]}' in variant '{name}'; use base or "
+                         f"options joined by '+' from {', '.join(OPTIONS)}")
+    return tuple(sorted(options | ({"tma"} if "ws" in options else set())))
+
+
+VARIANT = parse_variant(os.environ.get("FLASH_VARIANT", "base"))  # what FlashAttention runs
+
+
+@contextlib.contextmanager
+def use_variant(name):
+    global VARIANT
+    old, VARIANT = VARIANT, parse_variant(name)
+    try:
+        yield
+    finally:
+        VARIANT = old
+
+
+def _scratch(size, alignment, stream):
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def _launch(name, n, BH, args, D, dtype, options, **meta):
+    """Launch kernel `name` over n rows (queries, or keys for dkdv) of B*H heads: with a fixed
+    tile config, or through @triton.autotune. Returns the config used."""
+    tile, split = ("BLOCK_N" if name == "dkdv" else "BLOCK_M"), (2 if meta["PAIR"] else 1)
+    if meta["TMA"]:
+        # Descriptors made inside a kernel live in a scratch buffer Triton asks for at launch. The
+        # allocator is per thread, and autograd runs the backward on a thread of its own.
+        triton.set_allocator(_scratch)
+    if "autotune" in options and dtype != torch.float32 and not INTERPRETED:
+        kernel = AUTOTUNED[name]
+        kernel[lambda m: (triton.cdiv(triton.cdiv(n, m[tile]), split), BH)](*args, D=D, **meta)
+        return kernel.best_config
+    table = INTERPRETER_CONFIGS if INTERPRETED else FP32_CONFIGS if dtype == torch.float32 else TUNED[D]
+    bm, bn, warps, stages = table[name]
+    config = _meta(name, bm, bn)
+    grid = (triton.cdiv(triton.cdiv(n, config[tile]), split), BH)
+    KERNELS[name][grid](*args, D=D, **meta, **config, num_warps=warps, num_stages=stages)
+    return config
+
+
+def _tma_ok(options, *tensors):
+    # TMA descriptors need 16-byte aligned bases and row strides; fp32 keeps the exact-dot path.
+    return "tma" in options and all(t.dtype != torch.float32 and t.data_ptr() % 16 == 0 and
+                                    all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
 def _dot_precision(dtype, precision):
@@ -377,61 +523,73 @@ def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def flash_forward(q, k, v, causal=False, scale=None, precision="ieee", config=None):
+def flash_forward(q, k, v, causal=False, scale=None, precision="ieee", options=None):
     """O (laid out as (B, S, H, D) in memory, returned as a (B, H, S, D) view) and L (fp32,
     (B, H, Nq), natural log) of checked (B, H, S, D) inputs."""
+    options = VARIANT if options is None else options
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     scale = D**-0.5 if scale is None else scale
     # (B, S, H, D) memory makes o.transpose(1, 2).reshape(B, S, H*D) in the model free
     o = torch.empty(B, Nq, H, D, device=q.device, dtype=q.dtype).transpose(1, 2)
     lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
-    BM, BN, warps, stages = _config("fwd", D, q.dtype, config)
-    grid = (triton.cdiv(Nq, BM), B * H)
-    _fwd_kernel[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                      H, Nq, Nk, scale * LOG2E, CAUSAL=causal, D=D, BLOCK_M=BM, BLOCK_N=BN,
-                      PRECISION=_dot_precision(q.dtype, precision), num_warps=warps, num_stages=stages)
+    tma = _tma_ok(options, q, k, v)
+    _launch("fwd", Nq, B * H, (q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                                H, Nq, Nk, scale * LOG2E), D, q.dtype, options, CAUSAL=causal,
+            PRECISION=_dot_precision(q.dtype, precision), TMA=tma, WS=tma and "ws" in options,
+            PAIR=causal and "pair" in options)
     return o, lse
 
 
-def flash_backward(q, k, v, o, lse, do, causal=False, scale=None, precision="ieee", configs=None):
+def flash_backward(q, k, v, o, lse, do, causal=False, scale=None, precision="ieee", options=None):
     """dQ, dK, dV (contiguous (B, H, S, D)) by three kernels, none of which uses atomics."""
+    options = VARIANT if options is None else options
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     scale = D**-0.5 if scale is None else scale
     if do.stride(-1) != 1:
         do = do.contiguous()
-    configs = configs or {}
     delta = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     _delta_kernel[(triton.cdiv(Nq, 64), B * H)](o, do, delta, *_strides(o), *_strides(do), H, Nq, D=D, BLOCK_M=64)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), H, Nq, Nk, scale * LOG2E, scale)
-    BM, BN, warps, stages = _config("dkdv", D, q.dtype, configs.get("dkdv"))
-    _dkdv_kernel[(triton.cdiv(Nk, BN), B * H)](q, k, v, do, lse, delta, dk, dv, *common, CAUSAL=causal, D=D,
-                                               BLOCK_M=BM, BLOCK_N=BN, DIAG_M=max(BM // 2, 16),
-                                               PRECISION=_dot_precision(q.dtype, precision), num_warps=warps, num_stages=stages)
-    BM, BN, warps, stages = _config("dq", D, q.dtype, configs.get("dq"))
-    _dq_kernel[(triton.cdiv(Nq, BM), B * H)](q, k, v, do, lse, delta, dq, *common, CAUSAL=causal, D=D,
-                                             BLOCK_M=BM, BLOCK_N=BN, DIAG_N=max(BN // 2, 16),
-                                             PRECISION=_dot_precision(q.dtype, precision), num_warps=warps, num_stages=stages)
+    meta = dict(CAUSAL=causal, PRECISION=_dot_precision(q.dtype, precision), TMA=_tma_ok(options, q, k, v, do),
+                PAIR=causal and "pair" in options)
+    _launch("dkdv", Nk, B * H, (q, k, v, do, lse, delta, dk, dv, *common), D, q.dtype, options, **meta)
+    _launch("dq", Nq, B * H, (q, k, v, do, lse, delta, dq, *common), D, q.dtype, options, **meta)
     return dq, dk, dv
 
 
+def _as_4d(t):
+    # (batch, seq, d) -> (batch, 1, seq, d); (..., heads, seq, d) -> (batch, heads, seq, d): views
+    # where the strides allow; the kernels need the last dimension contiguous
+    t = t.unsqueeze(1) if t.dim() == 3 else t.flatten(0, -4)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 class FlashAttention(torch.autograd.Function):
-    """The Triton kernels as an autograd op on checked (B, H, S, D) tensors."""
+    """The Triton kernels as an autograd op: apply(q, k, v, is_causal=False, scale=None,
+    precision=None) on (..., seq, d) tensors. Saves q, k, v, O and the fp32 logsumexp L (shaped
+    like q without its last dimension) for a backward that recomputes the probabilities."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, precision):
-        o, lse = flash_forward(q, k, v, causal, scale, precision)
+    def forward(ctx, q, k, v, is_causal=False, scale=None, precision=None):
+        if precision is None:  # only fp32 dots read it; skipping the read keeps torch.compile's graph whole
+            precision = torch_fp32_precision() if q.dtype == torch.float32 else "ieee"
+        check_inputs(q, k, v, is_causal, precision)
+        o, lse = flash_forward(*map(_as_4d, (q, k, v)), is_causal, scale, precision, VARIANT)
+        o, lse = o.view(q.shape), lse.view(q.shape[:-1])
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.precision = causal, scale, precision
+        ctx.causal, ctx.scale, ctx.precision, ctx.options = is_causal, scale, precision, VARIANT
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale, ctx.precision)
-        return dq, dk, dv, None, None, None
+        q4 = _as_4d(q)
+        grads = flash_backward(q4, _as_4d(k), _as_4d(v), _as_4d(o), lse.view(q4.shape[:-1]), _as_4d(do),
+                               ctx.causal, ctx.scale, ctx.precision, ctx.options)
+        return (*(g.view(t.shape) for g, t in zip(grads, (q, k, v))), None, None, None)
 
 
 def torch_fp32_precision():
@@ -441,21 +599,26 @@ def torch_fp32_precision():
     return "tf32" if matmul.allow_tf32 else "ieee"
 
 
-def check_inputs(q, k, v, causal, precision):
-    """Raise ValueError, in one sentence, for inputs the kernels do not support."""
+def check_shapes(q, k, v, causal):
+    """Raise ValueError, in one sentence, for shapes attention cannot take."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         raise ValueError("q, k and v must be torch tensors")
-    if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
-        raise ValueError(f"q, k, v must all be (batch, seq, d) or (batch, heads, seq, d); got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"q, k, v must all be (batch, seq, d), (batch, heads, seq, d) or more leading dims; "
+                         f"got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"head dim {q.shape[-1]} is not supported; use one of {HEAD_DIMS}")
-    if q.shape[-2] == 0 or k.shape[-2] == 0:
-        raise ValueError("sequence length must be at least 1")
+    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.numel() == 0:
+        raise ValueError("sequence length and batch must be at least 1")
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal attention needs equal query and key lengths, got {q.shape[-2]} and {k.shape[-2]}")
+
+
+def check_inputs(q, k, v, causal, precision):
+    """check_shapes, then what the kernels support: head dims, dtypes, devices, precision."""
+    check_shapes(q, k, v, causal)
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head dim {q.shape[-1]} is not supported; use one of {HEAD_DIMS}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES.values():
         raise ValueError(f"q, k, v must share one dtype among fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -468,19 +631,11 @@ def check_inputs(q, k, v, causal, precision):
 
 
 def flash_attention(q, k, v, causal=False, scale=None, precision=None):
-    """softmax(scale * q k^T) v with the Triton kernels, differentiable. q: (B, [H,] Nq, D), k and
-    v: (B, [H,] Nk, D); scale defaults to 1/sqrt(D). `precision` applies to fp32 inputs only:
-    "ieee" for exact fp32 dots, "tf32" for the faster tensor-core ones; None follows torch's fp32
-    matmul setting (gpt.set_tf32), so --attn triton matches the rest of the model."""
-    if precision is None:  # only fp32 dots read it; skipping the read keeps torch.compile's graph whole
-        precision = torch_fp32_precision() if q.dtype == torch.float32 else "ieee"
-    check_inputs(q, k, v, causal, precision)
-    squeeze = q.dim() == 3
-    if squeeze:
-        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    o = FlashAttention.apply(q, k, v, causal, scale, precision)
-    return o.squeeze(1) if squeeze else o
+    """softmax(scale * q k^T) v with the Triton kernels, differentiable. q: (..., Nq, D), k and v:
+    (..., Nk, D); scale defaults to 1/sqrt(D). `precision` applies to fp32 inputs only: "ieee"
+    for exact fp32 dots, "tf32" for the faster tensor-core ones; None follows torch's fp32 matmul
+    setting, so --attn triton matches the rest of the model."""
+    return FlashAttention.apply(q, k, v, causal, scale, precision)
 
 
 # --- 5. correctness checks against the references
@@ -490,30 +645,31 @@ def relative_error(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def check_shape(B, H, Nq, Nk, D, dtype, causal, device, precision="ieee"):
-    """Relative errors of O, L, dQ, dK, dV from the Triton kernels and from FlashAttentionTorch,
-    both against the float64 reference."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(B, H, n, D, device=device, generator=gen).to(dtype) for n in (Nq, Nk, Nk))
-    do = torch.randn(B, H, Nq, D, device=device, generator=gen).to(dtype)
-    scale = D**-0.5
-    leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    o_ref, lse_ref = naive_reference(*leaves, causal, scale)
-    grads_ref = torch.autograd.grad(o_ref, leaves, do.double())
-    o, lse = flash_forward(q, k, v, causal, scale, precision)
-    grads = flash_backward(q, k, v, o, lse, do, causal, scale, precision)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    o_t = FlashAttentionTorch.apply(*leaves, causal, scale)
-    grads_t = torch.autograd.grad(o_t, leaves, do)
-    triton_err = [relative_error(x, r) for x, r in zip((o, lse, *grads), (o_ref, lse_ref, *grads_ref))]
-    torch_err = [relative_error(x, r) for x, r in zip((o_t, *grads_t), (o_ref, *grads_ref))]
-    return triton_err, torch_err
-
-
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # relative, by input dtype
 
 
-def run_checks(device, dtypes):
+def check_shape(B, H, Nq, Nk, D, dtype, causal, device, variant="base"):
+    """Relative errors of O, L, dQ, dK, dV against the float64 reference: the Triton kernels
+    (exact fp32 dots for fp32 inputs), then FlashAttentionTorch. L is read back from the tensors
+    the Function saved for its backward."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(B, H, n, D, device=device, generator=gen).to(dtype) for n in (Nq, Nk, Nk))
+    do = torch.randn(B, H, Nq, D, device=device, generator=gen).to(dtype)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o_ref, lse_ref = naive_reference(*ref, causal, D**-0.5)
+    expected = (o_ref, lse_ref, *torch.autograd.grad(o_ref, ref, do.double()))
+    errors = []
+    for fn in (FlashAttention, FlashAttentionTorch):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with use_variant(variant):
+            o = fn.apply(*leaves, causal, None, "ieee")
+            lse = next(t for t in o.grad_fn.saved_tensors if t.shape == q.shape[:-1])
+            got = (o, lse, *torch.autograd.grad(o, leaves, do))
+        errors.append([relative_error(x, r) for x, r in zip(got, expected)])
+    return errors
+
+
+def run_checks(device, dtypes, variants=("base",)):
     """Print a table of relative errors; return True when all are within the dtype's tolerance."""
     if device.type == "cuda":
         shapes = [(2, 4, 1024, 1024, 64, True), (1, 3, 517, 781, 32, False), (2, 4, 1000, 1000, 128, True),
@@ -521,15 +677,16 @@ def run_checks(device, dtypes):
     else:  # the interpreter: small shapes, ragged lengths, Nq != Nk
         shapes = [(1, 2, 48, 48, 16, True), (1, 1, 40, 72, 32, False)]
     rows, ok = [], True
-    for dtype in dtypes:
-        # exact fp32 kernels compile slowly (unrolled FMA dots): two shapes are enough there
-        for B, H, Nq, Nk, D, causal in shapes[:2] if dtype == torch.float32 else shapes:
-            triton_err, torch_err = check_shape(B, H, Nq, Nk, D, dtype, causal, device)
-            passed = max(triton_err + torch_err) < TOLERANCE[dtype]
-            ok &= passed
-            rows.append([f"{dtype_name(dtype)} B{B} H{H} Nq{Nq} Nk{Nk} D{D}{' causal' if causal else ''}",
-                         *(f"{e:.1e}" for e in triton_err), f"{max(torch_err):.1e}", "ok" if passed else "FAIL"])
-    print_table(["shape", "O err", "L err", "dQ err", "dK err", "dV err", "torch ref max err", "check"], rows)
+    for variant in variants:
+        for dtype in dtypes:
+            # exact fp32 kernels compile slowly (unrolled FMA dots): two shapes are enough there
+            for B, H, Nq, Nk, D, causal in shapes[:2] if dtype == torch.float32 else shapes:
+                ours, reference = check_shape(B, H, Nq, Nk, D, dtype, causal, device, variant)
+                passed = max(ours + reference) < TOLERANCE[dtype]
+                ok &= passed
+                rows.append([f"{dtype_name(dtype)} B{B} H{H} Nq{Nq} Nk{Nk} D{D}{' causal' if causal else ''}", variant,
+                             *(f"{e:.1e}" for e in ours), f"{max(reference):.1e}", "ok" if passed else "FAIL"])
+    print_table(["shape", "variant", "O err", "L err", "dQ err", "dK err", "dV err", "torch ref max err", "check"], rows)
     return ok
 
 
@@ -537,7 +694,14 @@ def dtype_name(dtype):
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
-# --- 6. benchmark against SDPA's flash and cuDNN backends
+# --- 6. benchmark against SDPA's backends (do_bench: each pipeline alone, L2 flushed between calls)
+
+# the targets: long context at D64 and D128, GPT-2 124M's own attention (B16 H12 S1024 D64), the
+# small head dims, and one fp32 row (SDPA's flash and cuDNN backends take only 16-bit inputs)
+SHAPES = [(1, 16, 16384, 64), (16, 12, 1024, 64), (1, 16, 16384, 128), (4, 16, 4096, 128),
+          (4, 16, 4096, 32), (4, 16, 4096, 16)]
+FP32_SHAPE = (4, 16, 4096, 64)
+SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
 
 
 def attention_flops(B, H, S, D, causal, mode):
@@ -546,21 +710,29 @@ def attention_flops(B, H, S, D, causal, mode):
     return fwd if mode == "fwd" else 3.5 * fwd
 
 
-def make_impls():
+def sdpa(backend, q, k, v, causal):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def sdpa(backend):
-        def f(q, k, v, causal):
-            with sdpa_kernel(backend):  # pinned: raises instead of silently falling back
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return f
+    with sdpa_kernel(getattr(SDPBackend, backend)):  # pinned: raises instead of silently falling back
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    return {"ours": lambda q, k, v, causal: flash_attention(q, k, v, causal),
-            "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+
+def ours(variant, precision, q, k, v, causal):
+    with use_variant(variant):
+        return flash_attention(q, k, v, causal, precision=precision)
+
+
+def make_impls(dtype, variants):
+    from functools import partial
+
+    impls = ({"ours ieee": partial(ours, "base", "ieee"), "ours tf32": partial(ours, "base", "tf32")}
+             if dtype == torch.float32 else {("ours" if v == "base" else f"ours+{v}"): partial(ours, v, None) for v in variants})
+    return {**impls, **{f"sdpa {name}": partial(sdpa, backend) for name, backend in SDPA.items()}}
 
 
 def time_impl(f, B, H, S, D, dtype, causal):
-    """(fwd ms, fwd+bwd ms) medians from do_bench, or None on OOM or when a backend cannot run."""
+    """(fwd ms, fwd+bwd ms) medians from do_bench, or why it could not run: out of memory, a
+    backend that does not take these inputs, a kernel variant that does not compile."""
     q = k = v = do = None
     try:
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -571,154 +743,140 @@ def time_impl(f, B, H, S, D, dtype, causal):
         both = triton.testing.do_bench(lambda: torch.autograd.grad(f(q, k, v, causal), (q, k, v), do),
                                        return_mode="median")
         return fwd, both
-    except (torch.OutOfMemoryError, RuntimeError) as e:
-        print(f"  ({B}x{H}x{S}x{D}: {type(e).__name__}: {str(e).splitlines()[0][:80]})")
-        return None
+    except Exception as e:  # noqa: BLE001 -- a failure is a cell; the benchmark goes on
+        return "OOM" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {str(e).strip()[:120]}"
     finally:
         del q, k, v, do
         torch.cuda.empty_cache()
 
 
-def run_benchmark(args, dtype):
-    impls = make_impls()
-    causal = not args.non_causal
-    rows, headline = [], {}
-    for D in args.head_dims:
-        for S in args.seqs:
-            B = max(1, args.tokens // S)
-            times = {name: time_impl(f, B, args.heads, S, D, dtype, causal) for name, f in impls.items()}
-            cells = []
-            for mode, i in (("fwd", 0), ("fwd+bwd", 1)):
-                flops = attention_flops(B, args.heads, S, D, causal, mode)
-                for name in impls:
-                    t = times[name]
-                    cells.append("n/a" if t is None else f"{t[i]:.3f} / {flops / t[i] / 1e9:.0f}")
-            rows.append([f"B{B} H{args.heads} S{S} D{D}", *cells])
-            headline[(B, S, D)] = times
-            print(f"  measured B={B} S={S} D={D}", flush=True)
-    names = list(impls)
-    print(f"\n{dtype_name(dtype)}, {'causal' if causal else 'non-causal'}; cells: median ms / TFLOP/s (FA convention)")
-    print_table(["shape", *(f"fwd {n}" for n in names), *(f"fwd+bwd {n}" for n in names)], rows)
-    return headline
+def run_benchmark(shapes, variants, causal):
+    """{(B, H, S, D, dtype name): {impl: (fwd ms, fwd+bwd ms) or why not}}, printed as one table."""
+    results, rows = {}, []
+    for B, H, S, D, dtype in shapes:
+        label = f"B{B} H{H} S{S} D{D} {dtype_name(dtype)}"
+        times = results[B, H, S, D, dtype_name(dtype)] = {}
+        for name, f in make_impls(dtype, variants).items():
+            t = times[name] = time_impl(f, B, H, S, D, dtype, causal)
+            chose = "autotune" in name and not isinstance(t, str)
+            print(f"  measured {label} {name}: " + (f"failed ({t})" if isinstance(t, str) else f"fwd {t[0]:.3f} ms, fwd+bwd {t[1]:.3f} ms")
+                  + ("; autotune chose " + "; ".join(f"{k} {c.best_config}" for k, c in AUTOTUNED.items()) if chose else ""), flush=True)
+        fastest = min((t[1] for n, t in times.items() if n.startswith("sdpa") and not isinstance(t, str)), default=None)
+        for i, (name, t) in enumerate(times.items()):
+            cells = ([f"{ms:.3f} / {attention_flops(B, H, S, D, causal, mode) / ms / 1e9:.0f}" for ms, mode in zip(t, ("fwd", "both"))]
+                     + [f"{t[1] / fastest:.2f}x" if fastest else "n/a"]) if not isinstance(t, str) else ["OOM" if t == "OOM" else "n/a"] * 3
+            rows.append([label if i == 0 else "", name, *cells])
+    print(f"\n{'causal' if causal else 'non-causal'}; median ms / TFLOP/s (FA convention); n/a: the backend does not take"
+          " these inputs or the variant failed (the lines above say why)")
+    print_table(["shape", "impl", "fwd", "fwd+bwd", "fwd+bwd / fastest SDPA"], rows)
+    return results
 
 
-# --- 7. autotune: time each candidate configuration per kernel and keep the fastest
+def plot_tflops(results, causal, path):
+    """fwd+bwd TFLOP/s against sequence length: a panel per head dim, a line per implementation."""
+    plt = pyplot(path)
+    dims = sorted({D for (_, _, _, D, dt) in results if dt != "fp32"})
+    fig, axes = plt.subplots(1, len(dims), figsize=(5 * len(dims), 4), squeeze=False)
+    for ax, D in zip(axes[0], dims):
+        keys = sorted((key for key in results if key[3] == D and key[4] != "fp32"), key=lambda key: key[2])
+        for name in results[keys[0]]:
+            points = [(key[2], attention_flops(*key[:4], causal, "both") / results[key][name][1] / 1e9)
+                      for key in keys if not isinstance(results[key][name], str)]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=name)
+        ax.set(xscale="log", xlabel="sequence length", ylabel="fwd+bwd TFLOP/s", title=f"D={D} {keys[0][4]}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
-def autotune_candidates(kernel):
-    if kernel == "fwd":
-        tiles = [(128, 64), (128, 128), (64, 64), (128, 32)]
-    elif kernel == "dkdv":
-        tiles = [(32, 128), (64, 128), (16, 128), (32, 64), (64, 64)]
-    else:
-        tiles = [(128, 32), (128, 64), (64, 32), (64, 64), (128, 16)]
-    stages = (3, 4) if kernel == "fwd" else (2, 3)  # the backward holds more tiles per stage
-    return [(bm, bn, w, s) for bm, bn in tiles for w in (4, 8) for s in stages]
+def pyplot(path):
+    """matplotlib's pyplot for --plot (imported only then: it is optional), or a ValueError."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"--plot {path}: not a file this script can write (a folder, or in a missing or read-only one)")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ModuleNotFoundError:
+        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+    return plt
 
 
-def _autotune_inputs(B, H, S, D, dtype, causal):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
-    o, lse = flash_forward(q, k, v, causal)
-    return q, k, v, o, lse, do
+# --- 7. main
 
 
-def _launch_candidate(kernel, config, inputs, causal):
-    q, k, v, o, lse, do = inputs
-    if kernel == "fwd":
-        return flash_forward(q, k, v, causal, config=config)
-    # dkdv and dq are timed through the whole backward (the other kernel at its default)
-    return flash_backward(q, k, v, o, lse, do, causal, configs={kernel: config})
-
-
-def _compile_candidates(job):
-    """Worker: compile (by running once) a share of the candidates, filling Triton's disk cache."""
-    shape, dtype, causal, candidates = job
-    inputs = _autotune_inputs(*shape, dtype, causal)
-    for kernel, config in candidates:
-        try:
-            _launch_candidate(kernel, config, inputs, causal)
-        except Exception:
-            pass  # reported when the main process times it
-    torch.cuda.synchronize()
-
-
-def autotune_shape(B, H, S, D, dtype, causal):
-    """Winning (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel for one shape. Compiling is
-    the slow part and is single-threaded in Triton, so worker processes compile in parallel first."""
-    import multiprocessing
-
-    candidates = [(kernel, c) for kernel in ("fwd", "dkdv", "dq") for c in autotune_candidates(kernel)]
-    workers = max(1, min(8, (os.cpu_count() or 2) // 2))
-    jobs = [((B, H, S, D), dtype, causal, candidates[i::workers]) for i in range(workers)]
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pool.map(_compile_candidates, jobs)
-    inputs = _autotune_inputs(B, H, S, D, dtype, causal)
-    winners = {}
-    for kernel in ("fwd", "dkdv", "dq"):
-        results = []
-        for c in autotune_candidates(kernel):
-            try:
-                ms = triton.testing.do_bench(lambda: _launch_candidate(kernel, c, inputs, causal),
-                                             return_mode="median")
-                results.append((ms, c))
-            except Exception as e:  # a tile that does not fit in shared memory or registers
-                print(f"  {kernel} {c}: skipped ({type(e).__name__})")
-        results.sort()
-        winners[kernel] = results[0][1]
-        print(f"  {kernel:5s} " + ", ".join(f"{c} {ms:.3f} ms" for ms, c in results[:5]), flush=True)
-    return winners
-
-
-# --- 8. main
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="benchmark dtype")
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seq for each seq")
-    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--non-causal", action="store_true")
-    parser.add_argument("--autotune", action="store_true", help="search tile configs per shape instead")
-    parser.add_argument("--skip-checks", action="store_true")
-    args = parser.parse_args()
-    bad_dims = [d for d in args.head_dims if d not in HEAD_DIMS]
-    if bad_dims:
-        fail(f"head dim {bad_dims[0]} is not supported; use one of {HEAD_DIMS}")
-    if min(args.seqs) < 1 or args.heads < 1 or args.tokens < 1:
-        fail("--seqs, --heads and --tokens must be positive")
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="benchmark dtype (the default run adds an fp32 row)")
+    p.add_argument("--variants", default="base", help="kernel variants to time, comma-separated: base, or options "
+                   f"joined by '+' from {', '.join(OPTIONS)} (e.g. base,tma,tma+pair,autotune)")
+    p.add_argument("--shapes", help="comma-separated BxHxSxD, e.g. 1x16x16384x64 (default: the target shapes)")
+    p.add_argument("--seqs", type=int, nargs="+", help="sweep these lengths instead, 16 heads, batch = 16384 // seq")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], help="head dims of the --seqs sweep")
+    p.add_argument("--non-causal", action="store_true")
+    p.add_argument("--skip-checks", action="store_true")
+    p.add_argument("--plot", help="draw fwd+bwd TFLOP/s against sequence length into this PNG (needs matplotlib)")
+    args = p.parse_args(argv)
+    for name in args.variants.split(","):
+        parse_variant(name)
+    if args.shapes and args.seqs:
+        raise ValueError("--shapes and --seqs both choose the shapes; give one")
+    if bad := [d for d in args.head_dims if d not in HEAD_DIMS]:
+        raise ValueError(f"head dim {bad[0]} is not supported; use one of {HEAD_DIMS}")
+    if args.seqs and min(args.seqs) < 1:
+        raise ValueError(f"--seqs must be positive, got {min(args.seqs)}")
     dtype = DTYPES[args.dtype]
+    if args.shapes:
+        args.shapes = [(*parse_shape(s), dtype) for s in args.shapes.split(",")]
+    elif args.seqs:
+        args.shapes = [(max(1, 16384 // S), 16, S, D, dtype) for D in args.head_dims for S in args.seqs]
+    else:
+        args.shapes = [(*s, dtype) for s in SHAPES] + ([(*FP32_SHAPE, torch.float32)] if dtype != torch.float32 else [])
+    if args.plot:
+        if INTERPRETED:
+            raise ValueError("--plot draws the benchmark, which needs a CUDA GPU")
+        pyplot(args.plot)
+    return args
 
+
+def parse_shape(text):
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)", text)
+    if not m or min(map(int, m.groups())) < 1 or int(m.group(4)) not in HEAD_DIMS:
+        raise ValueError(f"--shapes takes positive BxHxSxD with D one of {HEAD_DIMS}, got '{text}'")
+    return tuple(map(int, m.groups()))
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        fail(str(e))
+    variants = args.variants.split(",")
     if INTERPRETED:
-        print("no CUDA GPU: running the kernels under TRITON_INTERPRET=1 on small shapes (seconds); "
-              "no benchmark")
-        ok = run_checks(torch.device("cpu"), [torch.float32, torch.float16])
+        print("no CUDA GPU: running the kernels under TRITON_INTERPRET=1 on small shapes (seconds); no benchmark")
+        ok = run_checks(torch.device("cpu"), [torch.float32, torch.float16], variants)
         print(f"summary: correctness {'passed' if ok else 'FAILED'} on CPU (interpreter); benchmark needs a GPU")
         sys.exit(0 if ok else 1)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    if args.autotune:
-        for D in args.head_dims:
-            for S in args.seqs:
-                B = max(1, args.tokens // S)
-                print(f"autotune {args.dtype} B={B} H={args.heads} S={S} D={D} causal={not args.non_causal}")
-                winners = autotune_shape(B, args.heads, S, D, dtype, not args.non_causal)
-                print(f"  winners D={D} S={S}: {winners}")
-        print("summary: copy the winners into CONFIGS")
-        return
-    ok = True
-    if not args.skip_checks:
-        ok = run_checks(torch.device("cuda"), [torch.float32, torch.float16, torch.bfloat16])
-    headline = run_benchmark(args, dtype)
+    try:
+        ok = args.skip_checks or run_checks(torch.device("cuda"), [torch.float32, torch.float16, torch.bfloat16], variants)
+    except torch.OutOfMemoryError:
+        fail("the correctness checks ran out of GPU memory (they need about 1 GiB free)")
+    causal = not args.non_causal
+    results = run_benchmark(args.shapes, variants, causal)
+    if args.plot:
+        plot_tflops(results, causal, args.plot)
     parts = []
-    for (B, S, D), t in headline.items():
-        if S == max(args.seqs) or (D == 128 and S == 4096):
-            if t["ours"] and t["sdpa flash"] and t["sdpa cudnn"]:
-                parts.append(f"S={S} D={D}: fwd+bwd {t['ours'][1]:.2f} ms = {t['ours'][1] / t['sdpa flash'][1]:.2f}x "
-                             f"flash, {t['ours'][1] / t['sdpa cudnn'][1]:.2f}x cuDNN; fwd {t['ours'][0] / t['sdpa flash'][0]:.2f}x flash")
+    for (B, H, S, D, dt), t in results.items():
+        best = min((n for n in t if n.startswith("ours") and not isinstance(t[n], str)), key=lambda n: t[n][1], default=None)
+        if best and not isinstance(t["sdpa cudnn"], str):
+            parts.append(f"B{B} H{H} S{S} D{D} {best} {t[best][1] / t['sdpa cudnn'][1]:.2f}x")
     checks = "skipped" if args.skip_checks else "passed" if ok else "FAILED"
-    print(f"summary: checks {checks}; " + "; ".join(parts))
+    print(f"summary: checks {checks}; fwd+bwd of our fastest variant vs cuDNN: " + ("; ".join(parts) or "n/a"))
 
 
 if __name__ == "__main__":
