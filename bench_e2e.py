@@ -15,8 +15,8 @@ batch, context and vocabulary width, and the profiler names the kernels.
 Times come from gpt.py's timer: every variant is warmed up, then all run in rounds of --steps
 steps with CUDA events (CPU: wall clock); a cell shows the median over rounds and its min-max,
 a speed-up is the median of per-round ratios. MFU is against the detected GPU's bf16 peak (n/a
-when unknown); peak memory is max_memory_allocated (allocated, not reserved) of that variant
-alone. Without a GPU everything falls back to the tiny preset at small sizes and says so.
+when unknown); peak memory is max_memory_allocated (allocated, not reserved) of the variant's own
+weights, AdamW state and step. Without a GPU everything falls back to tiny sizes and says so.
 
 (excerpt to be refreshed from the next GPU run)
 """
@@ -236,14 +236,15 @@ def mode_flops(config, T, mode):
 def run_sweep(args, configs, device):
     """One gpt.time_rounds per model: all its (vocab, batch, seq, mode) cells run in the same
     rounds, so the speed-ups between vocabularies and batches are paired. One model is built per
-    vocabulary and shared by its cells."""
+    vocabulary and shared by its cells; train cells warm up first, so that AdamW's state exists
+    and every cell's peak counts it (weights, AdamW state, the step's own tensors)."""
     if args.compile:  # one graph per shape (no dynamic-shape kernels), enough cache for all shapes
         torch._dynamo.config.automatic_dynamic_shapes = False
         torch._dynamo.config.recompile_limit = max(8, len(args.vocab) * len(args.batch) * len(args.seq))
     rows = []
     for name, config in configs:
         benches, variants = {}, {}
-        for vocab, B, T, mode in product(args.vocab, args.batch, args.seq, args.modes):
+        for vocab, B, T, mode in product(args.vocab, args.batch, args.seq, sorted(args.modes, key="train".__ne__)):
             s = {**FIRST_RUNG, "tf32": args.tf32, "dtype": args.dtype, "attn": args.attn, "vocab": vocab,
                  "compile": args.compile, "fused_ce": True}
 
@@ -269,7 +270,7 @@ def print_sweep(args, results, device):
     table, split = [], []
     for name, times, stats in results:
         config = make_config(name)
-        for key in times:
+        for key in product(args.vocab, args.batch, args.seq, args.modes):
             vocab, B, T, mode = key
             t, first = stats[key], (*base, mode)
             if t is None:

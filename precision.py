@@ -548,7 +548,8 @@ def section_fp8(args, device):
         print("GEMM speed and the per-layer table need FP8 tensor cores: run on an H100/H200.")
         return
     gemm_rows, layer_rows, gains = [], [], []
-    torch._dynamo.config.automatic_dynamic_shapes = False  # one graph per layer shape
+    torch._dynamo.config.automatic_dynamic_shapes = False  # one graph per layer shape, each kept:
+    torch._dynamo.config.recompile_limit = max(16, torch._dynamo.config.recompile_limit)
     for name, K, N in FP8_SHAPES:
         stats = compare(gemm_variants(FP8_TOKENS, K, N, device), device, "bf16", args.rounds, args.steps)
         gemm_rows += [[name, f"{FP8_TOKENS}x{K}x{N}", variant, t.ms(3),

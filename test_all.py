@@ -755,15 +755,15 @@ def test_bench_e2e_gpu_peaks_and_oom():
     import bench_e2e
 
     cuda = torch.device("cuda")
-    args = _bench_e2e_args(batch=[4, 8, 32768], seq=[128])  # 32768 x 128 tokens cannot fit: OOM cells
+    args = _bench_e2e_args(batch=[4, 8, 16384], seq=[256])  # 4M tokens' activations cannot fit: OOM cells
     [(_, times, stats)] = bench_e2e.run_sweep(args, [("tiny", gpt.make_config("tiny"))], cuda)
-    peak = {(b, m): stats[(50257, b, 128, m)].peak for b in (4, 8) for m in bench_e2e.MODES}
+    peak = {(b, m): stats[(50257, b, 256, m)].peak for b in (4, 8) for m in bench_e2e.MODES}
     for b in (4, 8):  # backward keeps every saved activation alive, a train step adds AdamW's state
         assert peak[(b, "train")] >= peak[(b, "forward-backward")] > peak[(b, "forward")] > 0, peak
     assert all(peak[(8, m)] > peak[(4, m)] for m in bench_e2e.MODES), peak
-    assert all(stats[(50257, 32768, 128, m)] is None for m in bench_e2e.MODES)
+    assert all(stats[(50257, 16384, 256, m)] is None for m in bench_e2e.MODES)
     # out of memory outside a sweep cell (the profiled configuration): one line, exit 2
-    assert_bad_input("bench_e2e.py", "--model", "tiny", "--batch", 32768, "--seq", 128, "--mode", "forward",
+    assert_bad_input("bench_e2e.py", "--model", "tiny", "--batch", 16384, "--seq", 256, "--mode", "forward",
                      "--rounds", 1, "--profile", says="out of GPU memory in the profiled configuration")
 
 
