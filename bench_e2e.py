@@ -25,6 +25,7 @@ import argparse
 import statistics
 import sys
 from dataclasses import replace
+from functools import partial
 from itertools import product
 
 import torch
@@ -152,13 +153,6 @@ def rungs():
         yield name, change, settings
 
 
-def train_maker(config, s, x, y, device):
-    def make():
-        bench = build(config, s, device)
-        return lambda: run_step("train", bench, x, y)
-    return make
-
-
 def run_ladder(config, B, T, device, args, plt=None):
     torch._dynamo.reset()  # the compiled rungs compile here, from scratch
     x, y = batch_of(B, T, device)
@@ -169,7 +163,8 @@ def run_ladder(config, B, T, device, args, plt=None):
             skipped[name] = reason
             continue
         note = f"  {name}: {'compiling...' if settings['compile'] else 'first step'}"
-        variants[name] = lazily(train_maker(config, settings, x, y, device), device, note=note)
+        make = lambda s=settings: partial(run_step, "train", build(config, s, device), x, y)  # noqa: E731
+        variants[name] = lazily(make, device, note=note)
     print(f"timing {len(variants)} rungs together: {args.warmup} warm-up steps each, then "
           f"{args.rounds} rounds of {args.steps} steps", file=sys.stderr, flush=True)
     times, peaks = timed(variants, device, args)
@@ -233,34 +228,38 @@ def mode_flops(config, T, mode):
     return train / 3 + (4 * config.vocab_size * config.n_embd if config.fused_ce else 0)
 
 
+def sweep_cells(name, config, args, device):
+    """{(vocab, batch, seq, mode): variant} for one model. One model is built per vocabulary and
+    shared by its cells; train cells warm up first, so that AdamW's state exists and every cell's
+    peak counts it (weights, AdamW state, the step's own tensors)."""
+    benches, variants = {}, {}
+    for vocab, B, T, mode in product(args.vocab, args.batch, args.seq, sorted(args.modes, key="train".__ne__)):
+        s = {**FIRST_RUNG, "tf32": args.tf32, "dtype": args.dtype, "attn": args.attn, "vocab": vocab,
+             "compile": args.compile, "fused_ce": True}
+
+        def make(vocab=vocab, B=B, T=T, mode=mode, s=s):
+            bench = benches.get(vocab) or benches.setdefault(vocab, build(config, s, device))
+            return partial(run_step, mode, bench, *batch_of(B, T, device))
+        note = f"  {name} V={vocab} B={B} T={T} {mode}" + (" (compiling...)" if args.compile else "")
+        variants[(vocab, B, T, mode)] = lazily(make, device, held=lambda v=vocab: held_bytes(benches.get(v)), note=note)
+    return variants
+
+
 def run_sweep(args, configs, device):
-    """One gpt.time_rounds per model: all its (vocab, batch, seq, mode) cells run in the same
-    rounds, so the speed-ups between vocabularies and batches are paired. One model is built per
-    vocabulary and shared by its cells; train cells warm up first, so that AdamW's state exists
-    and every cell's peak counts it (weights, AdamW state, the step's own tensors)."""
+    """One gpt.time_rounds per model: all its cells run in the same rounds, so the speed-ups
+    between vocabularies and batches are paired."""
     if args.compile:  # one graph per shape (no dynamic-shape kernels), enough cache for all shapes
         torch._dynamo.config.automatic_dynamic_shapes = False
         torch._dynamo.config.recompile_limit = max(8, len(args.vocab) * len(args.batch) * len(args.seq))
-    rows = []
+    results = []
     for name, config in configs:
-        benches, variants = {}, {}
-        for vocab, B, T, mode in product(args.vocab, args.batch, args.seq, sorted(args.modes, key="train".__ne__)):
-            s = {**FIRST_RUNG, "tf32": args.tf32, "dtype": args.dtype, "attn": args.attn, "vocab": vocab,
-                 "compile": args.compile, "fused_ce": True}
-
-            def make(vocab=vocab, B=B, T=T, mode=mode, s=s):
-                bench = benches.get(vocab) or benches.setdefault(vocab, build(config, s, device))
-                x, y = batch_of(B, T, device)
-                return lambda: run_step(mode, bench, x, y)
-            variants[(vocab, B, T, mode)] = lazily(make, device, held=lambda v=vocab: held_bytes(benches.get(v)),
-                                                   note=f"  {name} V={vocab} B={B} T={T} {mode}"
-                                                        + (" (compiling...)" if args.compile else ""))
+        variants = sweep_cells(name, config, args, device)
         print(f"{name}: timing {len(variants)} cells together", file=sys.stderr, flush=True)
         times, peaks = timed(variants, device, args)
-        rows.append((name, times, summarize(times, peaks=peaks)))
-        del benches, variants
+        results.append((name, times, summarize(times, peaks=peaks)))
+        del variants  # and the models with them
         free_memory()
-    return rows
+    return results
 
 
 def print_sweep(args, results, device):
@@ -495,7 +494,7 @@ def check_args(args, device):
     if args.model is None:
         args.model = "tiny" if cpu else "gpt2" if args.ladder else "small"
     try:
-        configs = [(name, make_config(name)) for name in args.model.split(",")]
+        configs = [(name, make_config(name)) for name in (n.strip() for n in args.model.split(","))]
         args.dtype = amp_dtype(args.bf16, args.fp16)
         if args.trace:
             check_output_path(args.trace, "--trace", ours=starts_with(b"{"))
@@ -518,7 +517,7 @@ def check_args(args, device):
         fail("--plot draws the ladder; add --ladder")
     block = min(c.block_size for _, c in configs)
     args.batch = parse_ints(args.batch or ("2" if cpu else "16" if args.ladder else "8"), "--batch", 1)
-    args.seq = parse_ints(args.seq or ("64" if cpu else "1024" if args.ladder else "512"), "--seq", 1, block)
+    args.seq = parse_ints(args.seq or str(min(block, 64 if cpu else 1024 if args.ladder else 512)), "--seq", 1, block)
     args.vocab = parse_ints(args.vocab or "50257", "--vocab", 50257, 1 << 20)
     args.modes = MODES if args.mode in (None, "all") else (args.mode,)
     for flag, value, low in (("--rounds", args.rounds, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 1)):
