@@ -123,23 +123,25 @@ def lazily(make, device, held=lambda: 0, note=None):
             if note:
                 print(note, file=sys.stderr, flush=True)
             state["step"] = make()
-        state["step"]()
+        try:
+            state["step"]()
+        except RuntimeError:  # out of memory: the timer gives up on this variant, let its model go
+            state.pop("step")
+            raise
     variant.state = state
     return variant
 
 
 def timed(variants, device, args):
     """gpt.time_rounds over the variants, progress per round; peaks made per variant."""
-    def progress(r):
-        print(f"  round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-    times, peaks = time_rounds(variants, device, args.rounds, args.steps, args.warmup, progress=progress)
+    times, peaks = time_rounds(variants, device, args.rounds, args.steps, args.warmup,
+                               progress=lambda r: print(f"  round {r + 1}/{args.rounds}", file=sys.stderr, flush=True))
     own = {n: peaks[n] - variants[n].state["others"] if peaks.get(n) is not None else None for n in peaks}
     return times, own
 
 
 def speedup(times, name, base, work=1.0):
-    """Paired speed-up of `name` over `base`: per round, base ms / name ms (times `work`, name's
-    work over base's, when they do different amounts), median and min-max over the rounds."""
+    """Paired speed-up of `name` over `base`: median (min-max) over rounds of work * base ms / name ms."""
     if times.get(name) is None or times.get(base) is None:
         return "n/a"
     return summarize({"b": [work * ms for ms in times[base]], "n": times[name]}, baseline="n")["b"].vs()
@@ -276,7 +278,7 @@ def print_sweep(args, results, device):
                 table.append([name, vocab, B, T, mode, "OOM", "OOM", "n/a", "OOM", "n/a"])
                 continue
             tok_s = B * T / (t.median / 1e3)
-            flops = mode_flops(replace(config, vocab_size=vocab), T, mode) * tok_s
+            flops = mode_flops(config, T, mode) * tok_s  # useful work: padding is not counted
             # the speed-up is in tokens per second: per round, (B*T / ms) over the first cell's
             table.append([name, vocab, B, T, mode, t.ms(), f"{tok_s:,.0f}", fmt_mfu(mfu(flops, device)),
                           "n/a" if t.peak is None else gib(t.peak),
