@@ -1,360 +1,352 @@
 """End-to-end timing of GPT training: where a step's time goes and what each optimization buys.
 
-A training step is a forward pass, a backward pass (about twice the forward's FLOPs) and an AdamW
-update. This script times each of the three by model size, batch and context, in any precision,
-attention implementation, vocabulary size and with or without torch.compile, and climbs the classic
-speed ladder for GPT-2 124M: fp32 -> TF32 -> bf16 -> flash attention -> vocab 50304 -> compile.
+The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive
+attention to train.py's headline configuration and FP8, and times every rung with the same
+timer in the same rounds (A B C, A B C, ...), so the ratios between rungs are paired, not two
+runs minutes apart. The sweep splits a step into forward, backward and optimizer by model size,
+batch, context and vocabulary width, and the profiler names the kernels.
 
-    python bench_e2e.py --model small,medium,large,xl,2.7B --seq 512 --compare bf16,compile
-    python bench_e2e.py --ladder
+    python bench_e2e.py --ladder --plot ladder.png
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
-    python bench_e2e.py --model gpt2 --seq 1024 --bf16 --vocab 50304 --mode train --batch 64,72,80,96,112,128
+    python bench_e2e.py --model gpt2 --seq 1024 --bf16 --vocab 50304 --mode train --batch 16,32,64
+    python bench_e2e.py --model small,medium,large --seq 512 --bf16 --compile
     python bench_e2e.py --model gpt2 --batch 8 --seq 1024 --bf16 --attn naive --profile --trace step.json
-    python bench_e2e.py --model gpt2 --seq 1024 --mode train --warmup 0,1,2,5 --compile --bf16
 
-Times are the mean ± sample std over --steps timed steps after --warmup untimed ones, measured with
-CUDA events around each step (CPU: wall clock). MFU uses gpt.flops_per_token against the detected
-GPU's bf16 peak (n/a when unknown); peak memory is torch.cuda.max_memory_allocated (allocated, not
-reserved). Without a GPU every mode falls back to the tiny preset at small sizes and says so.
+Times come from gpt.py's timer: every variant is warmed up, then all run in rounds of --steps
+steps with CUDA events (CPU: wall clock); a cell shows the median over rounds and its min-max,
+a speed-up is the median of per-round ratios. MFU is against the detected GPU's bf16 peak (n/a
+when unknown); peak memory is max_memory_allocated (allocated, not reserved) of the variant's own
+weights, AdamW state and step. Without a GPU everything falls back to tiny sizes and says so.
 
-Output excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-22), `python bench_e2e.py --ladder`:
-
-    rung (train step, B=16 T=1024)      ms/step (mean ± std, 10 steps)  tokens/s  vs previous  vs fp32  MFU    peak alloc (GiB)
-    ----------------------------------  ------------------------------  --------  -----------  -------  -----  ----------------
-    fp32, naive attention, vocab 50257                     388.4 ± 0.2    42,180            -    1.00x   3.6%             31.84
-    + TF32 matmuls                                         184.1 ± 0.3    88,990        2.11x    2.11x   7.7%             31.84
-    + bf16 autocast                                        163.0 ± 0.6   100,495        1.13x    2.38x   8.7%             29.55
-    + SDPA flash attention                                  75.6 ± 0.5   216,752        2.16x    5.14x  18.7%             16.04
-    + vocab 50304                                           50.1 ± 0.3   327,005        1.51x    7.75x  28.3%             16.05
-    + torch.compile                                         37.5 ± 0.4   436,881        1.34x   10.36x  37.8%              9.98
+(excerpt to be refreshed from the next GPU run)
 """
 
 import argparse
-import math
 import statistics
 import sys
-import time
-from contextlib import nullcontext
 from dataclasses import replace
+from functools import partial
 from itertools import product
 
 import torch
 
-from gpt import (ATTENTION_IMPLS, GPT, GPTConfig, PRESETS, amp_dtype, autocast, check_config,
-                 configure_optimizer, fail, flops_per_token, free_memory, gib, gpu_peak_flops, is_oom,
-                 make_config, mean_std, mfu, print_table, resolve_device, set_tf32, synchronize)
+from gpt import (ATTENTION, GPT, GPU_ONLY_ATTENTION, PRESETS, amp_dtype, autocast, check_output_path,
+                 compile_model, configure_optimizer, fail, flops_per_token, fmt_mfu, fp8_supported,
+                 free_memory, gib, gpu_peak_flops, is_oom, make_config, mfu, plot_to, print_table,
+                 resolve_device, set_tf32, summarize, time_rounds, train_step, use_fp8)
 
-MODES = ("forward", "forward-backward", "train")
-# The forward pass does 2 of the 6 training FLOPs per matmul parameter (backward does 4).
-MODE_FLOP_SHARE = {"forward": 1 / 3, "forward-backward": 1.0, "train": 1.0}
-COMPARE_OPTIONS = ("tf32", "bf16", "fp16", "compile", *ATTENTION_IMPLS)
-# Output-layer widths for the GEMM microbenchmark: GPT-2's 50257 (odd), nearby multiples of
-# 2..16, 50304 (= 128 * 393) and a few wider multiples of 64 and 128.
-GEMM_VOCABS = (50257, 50258, 50260, 50264, 50272, 50280, 50288, 50296, 50304, 50368, 50432, 51200)
-NAIVE_RANGES = ("attention scores", "softmax", "final matmul")  # record_function names in gpt.py
-# The speed ladder: (rung, change on top of the previous rung, runs on the CPU?). TF32 is a
-# tensor-core mode with no CPU equivalent; Inductor's CPU compile takes about a minute, longer
-# than the whole CPU ladder, so that rung is left to the GPU too.
-LADDER = (("fp32, naive attention, vocab 50257", {}, True),
-          ("+ TF32 matmuls", {"tf32": True}, False),
-          ("+ bf16 autocast", {"dtype": torch.bfloat16}, True),
-          ("+ SDPA flash attention", {"attn": "flash"}, True),
-          ("+ vocab 50304", {"vocab": 50304}, True),
-          ("+ torch.compile", {"compile": True}, False))
-
-
-# --- 1. command line and what a "variant" is
+# --- 1. the speed ladder: one change per rung, on top of everything above it
+LADDER = (("fp32, naive attention, vocab 50257", {}),
+          ("+ TF32 matmuls", {"tf32": True}),
+          ("+ bf16 autocast", {"dtype": torch.bfloat16}),
+          ("+ SDPA flash attention", {"attn": "flash"}),
+          ("+ vocab 50304", {"vocab": 50304}),
+          ("+ torch.compile (PDL)", {"compile": True}),  # gpt.compile_model, train.py's compile
+          ("+ CUDA graphs", {"graphs": True}),
+          ("+ fused linear-CE", {"fused_ce": True}),  # = python train.py --vocab 50304 --bf16 --compile
+          ("+ FP8 matmuls", {"fp8": True}))
+FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False,
+              "graphs": False, "fused_ce": False, "fp8": False}
+HEADLINE = "+ fused linear-CE"
+# All rungs are alive at once, so that they can run in the same rounds. At B=16 T=1024 on an
+# 80 GB GPU: each gpt2 holds 0.5 GB of fp32 weights and 1 GB of AdamW moments (1.5 GB x 9 rungs),
+# activations live only during a step (the fp32 rung's are the largest, ~30 GB), and the CUDA
+# graph pool keeps one step's activations of the graphed rungs (~10 GB): ~55 GB in all.
 
 
-def parse_ints(text, flag, minimum):
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        fail(f"{flag} takes integers separated by commas, got '{text}'")
-    if any(v < minimum for v in values):
-        fail(f"{flag} must be at least {minimum}, got '{text}'")
-    return values
-
-
-def base_variant(args, vocab):
-    """The settings one measurement runs with; --compare adds options on top of these."""
-    try:
-        dtype = amp_dtype(args.bf16, args.fp16)
-    except ValueError as e:
-        fail(str(e))
-    return {"tf32": args.tf32, "dtype": dtype, "attn": args.attn, "compile": args.compile, "vocab": vocab}
-
-
-def add_option(variant, option):
-    """The variant with one --compare option switched on (bf16, fp16, tf32, compile or an attn)."""
-    if option in ("bf16", "fp16"):
-        return {**variant, "dtype": torch.bfloat16 if option == "bf16" else torch.float16}
-    if option in ("tf32", "compile"):
-        return {**variant, option: True}
-    return {**variant, "attn": option}
-
-
-def describe(variant):
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(variant["dtype"])
-    parts = ([dtype] if dtype else []) + (["tf32"] if variant["tf32"] else [])
-    words = ["+".join(parts) or "fp32", variant["attn"]]  # fp32, tf32, bf16, bf16+tf32, ...
-    if variant["compile"]:
-        words.append("compiled")
-    return " ".join(words) + f" V={variant['vocab']}"
-
-
-def model_configs(args, cpu):
-    """[(name, GPTConfig)] for --model or the explicit --d-model/--layers/--heads/--d-ff."""
-    dims = (args.d_model, args.layers, args.heads)
-    if any(d is not None for d in dims):
-        if None in dims:
-            fail("a custom model needs all of --d-model, --layers and --heads (--d-ff defaults to 4x)")
-        if min(dims) < 1 or (args.d_ff is not None and args.d_ff < 1):
-            fail("--d-model, --layers, --heads and --d-ff must be positive")
-        config = GPTConfig(args.layers, args.heads, args.d_model, args.d_ff or 4 * args.d_model)
-        try:
-            check_config(config)
-        except ValueError as e:
-            fail(str(e))
-        return [(f"d{args.d_model}L{args.layers}", config)]
-    names = (args.model or ("tiny" if cpu else "small")).split(",")
-    try:
-        return [(name, make_config(name)) for name in names]
-    except ValueError as e:
-        fail(str(e))
-
-
-def check_sizes(configs, vocabs, seqs):
-    for name, config in configs:
-        for vocab in vocabs:
-            try:
-                check_config(replace(config, vocab_size=vocab))
-            except ValueError as e:
-                fail(str(e))
-        if max(seqs) > config.block_size:
-            fail(f"--seq {max(seqs)} is above the block size {config.block_size} of model {name}")
-
-
-# --- 2. one step of forward / forward+backward / train, and timing it
-
-
-def phase(name, nvtx):
-    """An NVTX range for Nsight Systems (--nvtx), otherwise nothing."""
-    return torch.cuda.nvtx.range(name) if nvtx else nullcontext()
-
-
-def run_step(mode, bench, x, y, nvtx):
-    """The forward runs with autograd on, as in training: it records the graph and keeps the
-    activations backward needs, which is most of a training step's memory."""
-    with phase("forward", nvtx), autocast(x.device, bench["dtype"]):
-        _, loss = bench["runner"](x, y)
-    if mode != "forward":
-        with phase("backward", nvtx):
-            bench["scaler"].scale(loss).backward()  # fp16 only: scale so small grads survive
-    if mode == "train":
-        with phase("optimizer", nvtx):
-            bench["scaler"].step(bench["optimizer"])
-            bench["scaler"].update()
-    bench["model"].zero_grad(set_to_none=True)
-
-
-def time_steps(mode, bench, x, y, warmup, steps, nvtx):
-    """Per-step times in ms and the peak allocated bytes (None on CPU). CUDA events are recorded
-    around every step without synchronizing in between, so the CPU queues work ahead as in real
-    training; one synchronize at the end waits for all of it before the events are read."""
-    cuda = x.device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(x.device)
-    with phase("warm-up", nvtx):
-        for _ in range(warmup):
-            run_step(mode, bench, x, y, nvtx)
-    synchronize(x.device)
-    if not cuda:
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            run_step(mode, bench, x, y, nvtx)
-            times.append((time.perf_counter() - start) * 1e3)
-        return times, None
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    for start, end in events:
-        start.record()
-        run_step(mode, bench, x, y, nvtx)
-        end.record()
-    synchronize(x.device)
-    return [start.elapsed_time(end) for start, end in events], torch.cuda.max_memory_allocated(x.device)
-
-
-def build(config, variant, device):
-    """A fresh model (same seed every time), its runner (compiled or not) and optimizer."""
-    set_tf32(variant["tf32"])
-    config = replace(config, vocab_size=variant["vocab"], attn=variant["attn"])
-    torch.manual_seed(0)
-    with torch.device(device):  # initialise on the GPU: a 2.7B model takes minutes on the CPU
-        model = GPT(config)
-    runner = model
-    if variant["compile"]:
-        torch._dynamo.reset()  # compile from scratch, so warm-up really includes compilation
-        runner = torch.compile(model, dynamic=False)  # one graph per shape, no dynamic kernels
-    return {"model": model, "runner": runner, "dtype": variant["dtype"], "config": config,
-            "optimizer": configure_optimizer(model, lr=1e-4),
-            "scaler": torch.amp.GradScaler(device.type, enabled=variant["dtype"] == torch.float16)}
-
-
-def measure(bench, mode, batch, seq, warmup, steps, device, nvtx):
-    """A result dict for one configuration, or None if it ran out of GPU memory."""
-    try:
-        g = torch.Generator(device="cpu").manual_seed(1)
-        x, y = torch.randint(0, 50257, (2, batch, seq), generator=g).to(device)
-        times, peak = time_steps(mode, bench, x, y, warmup, steps, nvtx)
-    except (torch.OutOfMemoryError, RuntimeError) as e:
-        if not is_oom(e):
-            raise
-        times = None
-    bench["model"].zero_grad(set_to_none=True)
-    free_memory()  # outside the except block, where the traceback no longer pins tensors
-    if times is None:
-        return None
-    mean, std = mean_std(times)
-    tokens_per_s = batch * seq / (mean / 1e3)
-    flops = flops_per_token(bench["config"], seq) * MODE_FLOP_SHARE[mode] * tokens_per_s
-    return {"mean": mean, "std": std, "first": times[0], "max": max(times), "tok/s": tokens_per_s,
-            "mfu": mfu(flops, device), "peak": peak}
-
-
-# --- 3. the sweep table (with --compare speedups and the --warmup study)
-
-
-def fmt_mfu(value):
-    return "n/a" if value is None else f"{100 * value:.1f}%"
-
-
-def fmt_peak(value):
-    return "n/a" if value is None else gib(value)
-
-
-def try_build(config, variant, device):
-    try:
-        return build(config, variant, device)
-    except (torch.OutOfMemoryError, RuntimeError) as e:
-        if not is_oom(e):
-            raise
-    free_memory()
+def skip_reason(change, s, device):
+    """Why a rung cannot run here (None: it can). TF32 has no CPU equivalent (set_tf32 is a no-op
+    there, so the rungs after it still run); Inductor's CPU compile takes minutes per rung."""
+    cuda = device.type == "cuda"
+    if not cuda and "tf32" in change:
+        return "skipped: GPU only"
+    if not cuda and s["compile"]:
+        return "skipped on the CPU (compiling)"
+    if s["fp8"] and not fp8_supported(device):
+        return "skipped: needs FP8 tensor cores (H100/H200)"
     return None
 
 
-def run_sweep(args, configs, vocabs, batches, seqs, modes, warmups, variants, device):
-    """Rows sorted so that the variants of one configuration sit together. A model is built
-    once per (model, vocab, warm-up, variant) and reused for every batch, context and mode, so
-    in a warm-up study every setting starts from a fresh model (and a fresh compile)."""
-    rows = []
-    for (mi, (name, config)), (vi, vocab), (wi, warmup) in product(enumerate(configs), enumerate(vocabs),
-                                                                   enumerate(warmups)):
-        for ci, variant in enumerate(variants(vocab)):
-            label = f"{name} {describe(variant)}"
-            bench = try_build(config, variant, device)
-            params = bench and bench["model"].num_params()
-            for (bi, batch), (si, seq), (oi, mode) in product(enumerate(batches), enumerate(seqs), enumerate(modes)):
-                result = bench and measure(bench, mode, batch, seq, warmup, args.steps, device, args.nvtx)
-                shown = "OOM" if result is None else f"{result['mean']:.2f} ms"
-                print(f"  {label} B={batch} T={seq} {mode} warm-up {warmup}: {shown}", file=sys.stderr, flush=True)
-                rows.append({"key": (mi, vi, wi, bi, si, oi), "variant": ci, "label": label, "params": params,
-                             "batch": batch, "seq": seq, "mode": mode, "warmup": warmup, "result": result})
-            del bench
-            free_memory()
-    rows.sort(key=lambda r: (r["key"], r["variant"]))
-    return rows
+def build(config, s, device):
+    """A fresh model (same seed every time), what runs it (compiled or not) and its AdamW."""
+    config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"])
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise on the GPU: a 2.7B model takes minutes on the CPU
+        model = GPT(config)
+    if s["fp8"]:
+        use_fp8(model)
+    runner = compile_model(model, cuda_graphs=s["graphs"]) if s["compile"] else model
+    scaler = torch.amp.GradScaler(device.type) if s["dtype"] == torch.float16 else None
+    return {"model": model, "runner": runner, "optimizer": configure_optimizer(model, lr=1e-4),
+            "dtype": s["dtype"], "tf32": s["tf32"], "scaler": scaler, "config": config}
 
 
-def print_sweep(rows, steps, study, compare):
-    base = {r["key"]: r["result"] for r in rows if r["variant"] == 0}
-    headers = ["config", "params (M)", "batch", "seq", "mode"]
-    headers += ["warm-up"] if study else []
-    headers += [f"ms (mean ± std, {steps} steps)"]
-    headers += ["first ms", "max ms"] if study else []
-    headers += ["tokens/s", "MFU", "peak alloc (GiB)"]
-    headers += ["speedup vs first config"] if compare else []
-    table = []
-    for r in rows:
-        res = r["result"]
-        row = [r["label"], "OOM" if r["params"] is None else f"{r['params'] / 1e6:.1f}", r["batch"], r["seq"], r["mode"]]
-        row += [r["warmup"]] if study else []
-        if res is None:
-            row += ["OOM"] + (["OOM", "OOM"] if study else []) + ["OOM", "n/a", "OOM"]
-        else:
-            row += [f"{res['mean']:.2f} ± {res['std']:.2f}"]
-            row += [f"{res['first']:.2f}", f"{res['max']:.2f}"] if study else []
-            row += [f"{res['tok/s']:,.0f}", fmt_mfu(res["mfu"]), fmt_peak(res["peak"])]
-        if compare:
-            ref = base.get(r["key"])
-            row.append("n/a" if res is None or ref is None else f"{ref['mean'] / res['mean']:.2f}x")
-        table.append(row)
+def run_step(mode, bench, x, y):
+    """One step of `mode`. The forward runs with autograd on, as in training: it records the
+    graph and keeps the activations backward needs, which is most of a step's memory. With the
+    fused linear-CE the output layer's gradients are computed in the forward, so its backward
+    matmuls count there."""
+    set_tf32(bench["tf32"])  # a process-wide switch: each variant sets its own before queueing
+    if mode == "train":  # gpt.train_step: forward, backward, AdamW, gradients dropped
+        return train_step(bench["runner"], bench["optimizer"], x, y, bench["dtype"], bench["scaler"])
+    with autocast(x.device, bench["dtype"]):
+        _, loss = bench["runner"](x, y)
+    if mode == "forward-backward":
+        (bench["scaler"].scale(loss) if bench["scaler"] else loss).backward()
+        bench["model"].zero_grad(set_to_none=True)
+
+
+def batch_of(B, T, device):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 50257, (2, B, T), generator=g).to(device)
+
+
+def held_bytes(bench):
+    """Memory a built model keeps between steps: weights and AdamW's moments."""
+    if bench is None:
+        return 0
+    state = [t for s in bench["optimizer"].state.values() for t in s.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in [*bench["model"].parameters(), *state])
+
+
+def lazily(make, device, held=lambda: 0, note=None):
+    """A variant for gpt.time_rounds that makes its model and batch at its first call: inside the
+    timer's warm-up, where an out-of-memory marks this variant OOM and the others go on. It also
+    notes what the other variants held then (max_memory_allocated covers the whole process), so
+    its own peak is the timer's peak minus that."""
+    state = {}
+
+    def variant():
+        if "step" not in state:
+            cuda = device.type == "cuda"
+            state["others"] = torch.cuda.memory_allocated(device) - held() if cuda else 0
+            if note:
+                print(note, file=sys.stderr, flush=True)
+            state["step"] = make()
+        try:
+            state["step"]()
+        except RuntimeError:  # out of memory: the timer gives up on this variant, let its model go
+            state.pop("step")
+            raise
+    variant.state = state
+    return variant
+
+
+def timed(variants, device, args):
+    """gpt.time_rounds over the variants, progress per round; peaks made per variant."""
+    times, peaks = time_rounds(variants, device, args.rounds, args.steps, args.warmup,
+                               progress=lambda r: print(f"  round {r + 1}/{args.rounds}", file=sys.stderr, flush=True))
+    own = {n: peaks[n] - variants[n].state["others"] if peaks.get(n) is not None else None for n in peaks}
+    return times, own
+
+
+def speedup(times, name, base, work=1.0):
+    """Paired speed-up of `name` over `base`: median (min-max) over rounds of work * base ms / name ms."""
+    if times.get(name) is None or times.get(base) is None:
+        return "n/a"
+    return summarize({"b": [work * ms for ms in times[base]], "n": times[name]}, baseline="n")["b"].vs()
+
+
+def rungs():
+    """(name, change, settings) down the ladder, each rung's settings on top of the previous."""
+    settings = dict(FIRST_RUNG)
+    for name, change in LADDER:
+        settings = {**settings, **change}
+        yield name, change, settings
+
+
+def run_ladder(config, B, T, device, args, plt=None):
+    torch._dynamo.reset()  # the compiled rungs compile here, from scratch
+    x, y = batch_of(B, T, device)
+    variants, skipped = {}, {}
+    for name, change, settings in rungs():
+        reason = skip_reason(change, settings, device)
+        if reason:
+            skipped[name] = reason
+            continue
+        note = f"  {name}: {'compiling...' if settings['compile'] else 'first step'}"
+        make = lambda s=settings: partial(run_step, "train", build(config, s, device), x, y)  # noqa: E731
+        variants[name] = lazily(make, device, note=note)
+    print(f"timing {len(variants)} rungs together: {args.warmup} warm-up steps each, then "
+          f"{args.rounds} rounds of {args.steps} steps", file=sys.stderr, flush=True)
+    times, peaks = timed(variants, device, args)
+    stats = summarize(times, peaks=peaks)
+    flops = flops_per_token(config, T)  # useful work: vocabulary padding is not counted
+    rows, first, prev = [], None, None
+    for name, _ in LADDER:
+        t = stats.get(name)
+        if t is None:
+            rows.append([name, skipped.get(name, "OOM")] + ["-"] * 5)
+            continue
+        tok_s = B * T / (t.median / 1e3)
+        rows.append([name, t.ms(), f"{tok_s:,.0f}", "-" if prev is None else speedup(times, name, prev),
+                     "-" if first is None else speedup(times, name, first), fmt_mfu(mfu(flops * tok_s, device)),
+                     "n/a" if t.peak is None else gib(t.peak)])
+        first, prev = first or name, name
+    print(f"\nspeed ladder, train steps of {B}x{T} tokens, {args.rounds} rounds of {args.steps} steps "
+          "(speed-ups paired: median of per-round ratios, min-max)")
+    print_table(["rung", "ms/step, median (min-max)", "tokens/s", "speed-up vs previous", "vs first rung",
+                 "MFU", "peak alloc (GiB)"], rows)
+    if (config.n_layer, config.n_embd, B, T) == (12, 768, 16, 1024) and HEADLINE in stats:
+        print(f"'{HEADLINE}' is train.py's headline configuration: python train.py --vocab 50304 --bf16 --compile")
+    if plt is not None and first is not None:
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        plot_ladder(plt, args.plot, [n for n, _ in LADDER if stats.get(n)], stats, f"train step, B={B} T={T}, {where}")
+    if first is None:
+        return "ladder: no rung ran"
+    t = stats[prev]
+    return (f"ladder: {stats[first].median:.1f} -> {t.median:.1f} ms per step ({prev.lstrip('+ ')}), "
+            f"{speedup(times, prev, first)} the speed of the first rung, {B * T / (t.median / 1e3):,.0f} tokens/s")
+
+
+def plot_ladder(plt, path, names, stats, title):
+    ms = [stats[n].median for n in names]
+    err = [[m - stats[n].low for n, m in zip(names, ms)], [stats[n].high - m for n, m in zip(names, ms)]]
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(names)))
+    ax.barh(range(len(names)), ms, xerr=err, color="tab:blue")
+    for i, n in enumerate(names):
+        ax.text(stats[n].high, i, f"  {stats[n].median:.1f}", va="center")
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per train step (median over rounds, bars: min-max)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote the ladder plot to {path}")
+
+
+# --- 2. the sweep: forward / forward+backward / train step by model, vocab, batch and context
+
+MODES = ("forward", "forward-backward", "train")
+
+
+def mode_flops(config, T, mode):
+    """FLOPs per token of one step of `mode`: the forward does 2 of the 6 per matmul parameter,
+    plus the output layer's backward (4 per parameter) when the fused linear-CE does it there."""
+    train = flops_per_token(config, T)
+    if mode != "forward":
+        return train
+    return train / 3 + (4 * config.vocab_size * config.n_embd if config.fused_ce else 0)
+
+
+def sweep_cells(name, config, args, device):
+    """{(vocab, batch, seq, mode): variant} for one model. One model is built per vocabulary and
+    shared by its cells; train cells warm up first, so that AdamW's state exists and every cell's
+    peak counts it (weights, AdamW state, the step's own tensors)."""
+    benches, variants = {}, {}
+    for vocab, B, T, mode in product(args.vocab, args.batch, args.seq, sorted(args.modes, key="train".__ne__)):
+        s = {**FIRST_RUNG, "tf32": args.tf32, "dtype": args.dtype, "attn": args.attn, "vocab": vocab,
+             "compile": args.compile, "fused_ce": True}
+
+        def make(vocab=vocab, B=B, T=T, mode=mode, s=s):
+            bench = benches.get(vocab) or benches.setdefault(vocab, build(config, s, device))
+            return partial(run_step, mode, bench, *batch_of(B, T, device))
+        note = f"  {name} V={vocab} B={B} T={T} {mode}" + (" (compiling...)" if args.compile else "")
+        variants[(vocab, B, T, mode)] = lazily(make, device, held=lambda v=vocab: held_bytes(benches.get(v)), note=note)
+    return variants
+
+
+def run_sweep(args, configs, device):
+    """One gpt.time_rounds per model: all its cells run in the same rounds, so the speed-ups
+    between vocabularies and batches are paired."""
+    if args.compile:  # one graph per shape (no dynamic-shape kernels), enough cache for all shapes
+        torch._dynamo.config.automatic_dynamic_shapes = False
+        torch._dynamo.config.recompile_limit = max(8, len(args.vocab) * len(args.batch) * len(args.seq))
+    results = []
+    for name, config in configs:
+        variants = sweep_cells(name, config, args, device)
+        print(f"{name}: timing {len(variants)} cells together", file=sys.stderr, flush=True)
+        times, peaks = timed(variants, device, args)
+        results.append((name, times, summarize(times, peaks=peaks)))
+        del variants  # and the models with them
+        free_memory()
+    return results
+
+
+def print_sweep(args, results, device):
+    base = (args.vocab[0], args.batch[0], args.seq[0])
+    headers = ["model", "vocab", "batch", "seq", "mode", "ms/step, median (min-max)", "tokens/s", "MFU",
+               "peak alloc (GiB)", f"speed-up vs V={base[0]} B={base[1]} T={base[2]}"]
+    table, split = [], []
+    for name, times, stats in results:
+        config = make_config(name)
+        for key in product(args.vocab, args.batch, args.seq, args.modes):
+            vocab, B, T, mode = key
+            t, first = stats[key], (*base, mode)
+            if t is None:
+                table.append([name, vocab, B, T, mode, "OOM", "OOM", "n/a", "OOM", "n/a"])
+                continue
+            tok_s = B * T / (t.median / 1e3)
+            flops = mode_flops(config, T, mode) * tok_s  # useful work: padding is not counted
+            # the speed-up is in tokens per second: per round, (B*T / ms) over the first cell's
+            table.append([name, vocab, B, T, mode, t.ms(), f"{tok_s:,.0f}", fmt_mfu(mfu(flops, device)),
+                          "n/a" if t.peak is None else gib(t.peak),
+                          "-" if key == first else speedup(times, key, first, B * T / (base[1] * base[2]))])
+            if mode == "train" and len(args.modes) == 3:
+                split.append([f"{name} V={vocab} B={B} T={T}", *step_split(times, vocab, B, T)])
+    print(f"\nsweep, {args.rounds} rounds of {args.steps} steps per cell (speed-up: tokens/s over the "
+          "first cell of the same mode, paired per round)")
     print_table(headers, table)
-
-
-def sweep_summary(rows, compare):
-    done = [r for r in rows if r["result"] is not None]
-    ooms = len(rows) - len(done)
+    if split:
+        print("\nwhere a train step's time goes (paired per round: backward = forward-backward - forward, "
+              "optimizer = train - forward-backward; the fused linear-CE computes the output layer's "
+              "gradients in the forward)")
+        print_table(["config", "forward ms", "backward ms", "optimizer ms", "train step ms"], split)
+    done = [(row[0], row[1:5], float(row[6].replace(",", ""))) for row in table if row[5] != "OOM"]
+    ooms = len(table) - len(done)
     if not done:
-        return f"every one of {len(rows)} configurations ran out of memory"
-    if compare:
-        base = {r["key"]: r["result"] for r in rows if r["variant"] == 0}
-        last = max(r["variant"] for r in rows)
-        pairs = [(base[r["key"]]["mean"], r["result"]["mean"]) for r in done
-                 if r["variant"] == last and base.get(r["key"])]
-        if pairs:
-            geo = math.exp(statistics.fmean(math.log(b / v) for b, v in pairs))
-            label = next(r["label"] for r in done if r["variant"] == last)
-            return (f"'{label.split(' ', 1)[1]}' is {geo:.2f}x the speed of the first config "
-                    f"(geometric mean over {len(pairs)} rows); {ooms} OOM")
-    best = max(done, key=lambda r: (MODES.index(r["mode"]), r["result"]["tok/s"]))
-    return (f"best {best['mode']} throughput: {best['result']['tok/s']:,.0f} tokens/s ({best['label']}, "
-            f"B={best['batch']} T={best['seq']}); {ooms} OOM")
+        return f"every one of {len(table)} cells ran out of memory"
+    name, (vocab, B, T, mode), tok_s = max(done, key=lambda d: (MODES.index(d[1][3]), d[2]))
+    return f"best {mode} throughput: {tok_s:,.0f} tokens/s ({name} V={vocab} B={B} T={T}); {ooms} OOM"
 
 
-# --- 4. the output layer's GEMM alone: why vocab 50304 beats 50257
+def step_split(times, vocab, B, T):
+    """Median over rounds of each part, from the three modes' times in the same round."""
+    f, fb, tr = (times.get((vocab, B, T, m)) for m in MODES)
+    if None in (f, fb, tr):
+        return ["n/a"] * 4
+    parts = [f, [b - a for a, b in zip(f, fb)], [c - b for b, c in zip(fb, tr)]]
+    total = statistics.median(tr)
+    return [f"{statistics.median(p):.2f} ({100 * statistics.median(p) / total:.0f}%)" for p in parts] + [f"{total:.2f}"]
 
 
-def time_ms(fn, device):
-    """Mean ms of fn(): triton.testing.do_bench on the GPU (it flushes the L2 cache between
-    runs), the median of a few wall-clock runs on the CPU."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn)
-    fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+# --- 3. the output layer's GEMMs alone: why vocab 50304 beats 50257
+# Output-layer widths: GPT-2's 50257 (odd), nearby multiples of 2..16, 50304 (= 128 * 393) and a
+# few wider multiples of 64 and 128.
+GEMM_VOCABS = (50257, 50258, 50260, 50264, 50272, 50280, 50288, 50296, 50304, 50368, 50432, 51200)
 
 
-def gemm_microbench(config, tokens, dtype, device):
-    """The three matmuls of the output layer in a training step: logits = x W^T (forward),
-    dx = dlogits W and dW = dlogits^T x (backward), for several vocabulary widths. Tensor cores
-    read tiles of 8/16/64/128 elements; a width with no such factor (50257 is odd) needs masked
-    edge tiles and less efficient kernels for the whole matrix."""
-    dtype = dtype or torch.float32
-    K, rows = config.n_embd, []
-    for V in sorted(set(GEMM_VOCABS)):
-        x = torch.randn(tokens, K, device=device, dtype=dtype)
+def gemm_variants(tokens, K, dtype, device, vocabs=GEMM_VOCABS):
+    """The three matmuls of the output layer in a training step, logits = x W^T (forward),
+    dx = dlogits W and dW = dlogits^T x (backward), one variant per vocabulary width. Tensor
+    cores read tiles of 8/16/64/128 elements; a width with no such factor (50257 is odd) needs
+    masked edge tiles and slower kernels for the whole matrix."""
+    x = torch.randn(tokens, K, device=device, dtype=dtype)
+
+    def make(V):
         w = torch.randn(V, K, device=device, dtype=dtype)
         g = torch.randn(tokens, V, device=device, dtype=dtype)
-        fwd = time_ms(lambda: x @ w.t(), device)
-        bwd = time_ms(lambda: g @ w, device) + time_ms(lambda: g.t() @ x, device)
-        rows.append((V, fwd, bwd))
-        del x, w, g
-        free_memory()
-    ref = rows[0][1] + rows[0][2]
-    table = [[V, V & -V, f"{fwd:.3f}", f"{bwd:.3f}", f"{6 * tokens * K * V / ((fwd + bwd) / 1e3) / 1e12:.1f}",
-              f"{ref / (fwd + bwd):.2f}x"] for V, fwd, bwd in rows]
-    print(f"\noutput-layer GEMMs alone: {tokens} tokens x {K} x vocab, {str(dtype).replace('torch.', '')}")
-    print_table(["vocab", "largest 2^k factor", "fwd ms", "bwd ms (2 GEMMs)", "TFLOP/s", "vs 50257"], table)
+        return lambda: (x @ w.t(), g @ w, g.t() @ x)
+    return {V: lazily(lambda V=V: make(V), device) for V in vocabs}
 
 
-# --- 5. --profile: top kernels, time by category, naive attention's softmax vs matmuls
+def gemm_microbench(tokens, K, dtype, device, args):
+    dtype = dtype or torch.float32
+    times, _ = timed(gemm_variants(tokens, K, dtype, device), device, args)
+    stats, base = summarize(times), GEMM_VOCABS[0]
+    rows = [[V, V & -V, "OOM", "n/a", "n/a"] if t is None else
+            [V, V & -V, t.ms(3), f"{6 * tokens * K * V / (t.median / 1e3) / 1e12:.3g}",
+             "-" if V == base else speedup(times, V, base, V / base)] for V, t in stats.items()]
+    print(f"\noutput-layer GEMMs alone (forward + 2 backward): {tokens} tokens x {K} x vocab, "
+          f"{str(dtype).replace('torch.', '')}, {args.rounds} rounds")
+    print_table(["vocab", "largest 2^k factor", "ms, median (min-max)", "TFLOP/s", f"FLOP/s vs {base} (paired)"], rows)
+    free_memory()
+
+
+# --- 4. --profile: top kernels, time by category, naive attention's softmax vs matmuls
+
+NAIVE_RANGES = ("attention scores", "softmax", "final matmul")  # record_function names in gpt.py
 
 
 def kernel_times(prof, cuda):
@@ -378,7 +370,7 @@ def category(name):
     if any(s in n for s in ("adam", "multi_tensor")):
         return "optimizer"
     if any(s in n for s in ("gemm", "xmma", "nvjet", "cutlass", "matmul", "aten::mm", "aten::addmm",
-                            "aten::bmm", "triton_tem", "splitk")):
+                            "aten::bmm", "triton_tem", "splitk", "scaled_mm")):
         return "matmul"
     if any(s in n for s in ("memcpy", "memset", "aten::copy_", "aten::fill_", "aten::zero_")):
         return "copy/fill"
@@ -389,8 +381,8 @@ def category_times(prof, cuda):
     """{category: us}. Everything run inside the optimizer's own profiler range
     ("Optimizer.step#AdamW.step") counts as optimizer: on the CPU AdamW is a string of plain
     elementwise ops that a name alone cannot tell apart. On the GPU each op's kernels are the
-    ones it launched (including Inductor's, launched from compiled code); kernel time that the
-    profiler could not link to a CPU op is shown as "unlinked"."""
+    ones it launched (Inductor's included); kernel time the profiler could not link to a CPU op
+    is shown as "unlinked"."""
     sums = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CPU or e.is_async:
@@ -409,26 +401,7 @@ def category_times(prof, cuda):
     return sums
 
 
-def print_top_kernels(title, kernels, steps, top=10):
-    total = sum(k[2] for k in kernels) or 1
-    print(f"\n{title}: top {top} of {len(kernels)}, {total / 1e3 / steps:.2f} ms per step in all")
-    print_table(["name", "calls/step", "ms/step", "share"],
-                [[name[:80], f"{calls / steps:g}", f"{us / 1e3 / steps:.3f}", f"{100 * us / total:.1f}%"]
-                 for name, calls, us in kernels[:top]])
-
-
-def print_categories(profs, steps, cuda):
-    fwd, step = category_times(profs["forward"], cuda), category_times(profs["train"], cuda)
-    t_fwd, t_step = sum(fwd.values()) or 1, sum(step.values()) or 1
-    print("\ntime by category (kernel/op name; optimizer = inside AdamW.step; naive attention's matmuls "
-          "count as matmul, its softmax as elementwise)")
-    print_table(["category", "forward ms/step", "forward share", "train step ms/step", "train step share"],
-                [[c, f"{fwd.get(c, 0) / 1e3 / steps:.3f}", f"{100 * fwd.get(c, 0) / t_fwd:.1f}%",
-                  f"{us / 1e3 / steps:.3f}", f"{100 * us / t_step:.1f}%"]
-                 for c, us in sorted(step.items(), key=lambda kv: -kv[1])])
-
-
-def print_naive_attention(prof, config, batch, seq, steps, cuda):
+def naive_attention_rows(prof, config, B, T, steps, cuda):
     """Forward only (the ranges in gpt.naive_attention wrap the forward ops). The softmax does
     few FLOPs but reads and writes the whole (T, T) matrix, so its time share far exceeds its
     FLOP share: it is memory-bound while the matmuls run on the tensor cores."""
@@ -437,175 +410,190 @@ def print_naive_attention(prof, config, batch, seq, steps, cuda):
         if e.key in NAIVE_RANGES and e.device_type == torch.autograd.DeviceType.CPU:
             times[e.key] = times.get(e.key, 0.0) + (e.device_time_total if cuda else e.cpu_time_total)
     if len(times) < len(NAIVE_RANGES):
-        print("\nnaive attention: the record_function ranges were not recorded (compiled model?)")
-        return
-    scores = config.n_layer * batch * config.n_head * seq * seq  # elements of all score matrices
+        return None  # compiled: the ranges are gone
+    scores = config.n_layer * B * config.n_head * T * T  # elements of all score matrices
     head = config.n_embd // config.n_head
-    # matmuls: 2 FLOPs per multiply-add; scores also scaled and masked (2 per element);
+    # matmuls: 2 FLOPs per multiply-add, scores also scaled and masked (2 per element);
     # softmax: max, subtract, exp, sum, divide (5 per element)
     flops = {"attention scores": scores * (2 * head + 2), "softmax": 5 * scores, "final matmul": 2 * scores * head}
     t_all, f_all = sum(times.values()) or 1, sum(flops.values())
-    print(f"\nnaive attention, forward, all {config.n_layer} layers ({'GPU kernel' if cuda else 'CPU'} time)")
-    print_table(["stage", "ms/step", "time share", "GFLOP/step", "FLOP share", "time share / FLOP share"],
-                [[k, f"{times[k] / 1e3 / steps:.3f}", f"{100 * times[k] / t_all:.1f}%", f"{flops[k] / 1e9:.3g}",
-                  f"{100 * flops[k] / f_all:.2f}%", f"{(times[k] / t_all) / (flops[k] / f_all):.1f}"]
-                 for k in NAIVE_RANGES])
+    return [[k, f"{times[k] / 1e3 / steps:.3f}", f"{100 * times[k] / t_all:.1f}%", f"{flops[k] / 1e9:.3g}",
+             f"{100 * flops[k] / f_all:.2f}%", f"{(times[k] / t_all) / (flops[k] / f_all):.1f}"] for k in NAIVE_RANGES]
 
 
-def profile(config, variant, batch, seq, warmup, steps, device, trace):
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+def profile_steps(bench, B, T, device, warmup, steps):
+    """{mode: profiler} for `steps` forward steps and `steps` train steps after the warm-up."""
+    from torch.profiler import ProfilerActivity, profile
 
-    cuda = device.type == "cuda"
-    what = "GPU kernel time" if cuda else "CPU time of each op (no GPU here: CPU ops, not kernels)"
-    print(f"\nprofile of {describe(variant)} B={batch} T={seq}, {steps} steps each: {what}")
-    bench = build(config, variant, device)
-    x, y = torch.randint(0, 50257, (2, batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
-    for _ in range(max(warmup, 1)):  # compile, allocate and tune before anything is recorded
-        run_step("train", bench, x, y, False)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    x, y = batch_of(B, T, device)
+    for _ in range(warmup):  # compile, allocate and tune before anything is recorded
+        run_step("train", bench, x, y)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     profs = {}
     for mode in ("forward", "train"):
-        with torch_profile(activities=activities) as profs[mode]:
+        with profile(activities=activities) as profs[mode]:
             for _ in range(steps):
-                run_step(mode, bench, x, y, False)
-            synchronize(device)
-    fwd, step = kernel_times(profs["forward"], cuda), kernel_times(profs["train"], cuda)
-    kind = "kernels" if cuda else "CPU ops"
-    print_top_kernels(f"forward {kind}", fwd, steps)
-    print_top_kernels(f"train step {kind} (forward, backward, AdamW)", step, steps)
-    print_categories(profs, steps, cuda)
+                run_step(mode, bench, x, y)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    return profs
+
+
+def print_profile(profs, bench, B, T, steps, device, trace):
+    cuda, kind = device.type == "cuda", "kernels" if device.type == "cuda" else "CPU ops"
+    for title, prof in ((f"forward {kind}", profs["forward"]),
+                        (f"train step {kind} (forward, backward, AdamW)", profs["train"])):
+        ks = kernel_times(prof, cuda)
+        total = sum(k[2] for k in ks) or 1
+        print(f"\n{title}: top 10 of {len(ks)}, {total / 1e3 / steps:.2f} ms per step in all")
+        print_table(["name", "calls/step", "ms/step", "share"],
+                    [[n[:80], f"{c / steps:g}", f"{us / 1e3 / steps:.3f}", f"{100 * us / total:.1f}%"]
+                     for n, c, us in ks[:10]])
+    fwd, step = category_times(profs["forward"], cuda), category_times(profs["train"], cuda)
+    t_fwd, t_step = sum(fwd.values()) or 1, sum(step.values()) or 1
+    print("\ntime by category (kernel/op name; optimizer = inside AdamW.step)")
+    print_table(["category", "forward ms/step", "forward share", "train step ms/step", "train step share"],
+                [[c, f"{fwd.get(c, 0) / 1e3 / steps:.3f}", f"{100 * fwd.get(c, 0) / t_fwd:.1f}%",
+                  f"{us / 1e3 / steps:.3f}", f"{100 * us / t_step:.1f}%"]
+                 for c, us in sorted(step.items(), key=lambda kv: -kv[1])])
     if bench["config"].attn == "naive":
-        print_naive_attention(profs["forward"], bench["config"], batch, seq, steps, cuda)
+        rows = naive_attention_rows(profs["forward"], bench["config"], B, T, steps, cuda)
+        print(f"\nnaive attention, forward, all {bench['config'].n_layer} layers")
+        if rows is None:
+            print("(the record_function ranges were not recorded: compiled model)")
+        else:
+            print_table(["stage", "ms/step", "time share", "GFLOP/step", "FLOP share", "time share / FLOP share"], rows)
     if trace:
         profs["train"].export_chrome_trace(trace)
         print(f"\nwrote the train-step trace to {trace} (open it in ui.perfetto.dev or chrome://tracing)")
 
 
-# --- 6. the speed ladder
+# --- 5. command line
 
 
-def run_ladder(config, batch, seq, warmup, steps, device, nvtx):
-    variant = {"tf32": False, "dtype": None, "attn": "naive", "compile": False, "vocab": 50257}
-    table, first, prev = [], None, None
-    for name, change, on_cpu in LADDER:
-        variant = {**variant, **change}
-        if not on_cpu and device.type != "cuda":
-            print(f"  {name}: skipped on the CPU", file=sys.stderr, flush=True)
-            table.append([name, "skipped on CPU (GPU rung)", "-", "-", "-", "-", "-"])
-            continue
-        bench = try_build(config, variant, device)
-        res = bench and measure(bench, "train", batch, seq, warmup, steps, device, nvtx)
-        del bench
-        free_memory()
-        shown = "OOM" if res is None else f"{res['mean']:.1f} ms"
-        print(f"  {name}: {shown}", file=sys.stderr, flush=True)
-        if res is None:
-            table.append([name, "OOM", "OOM", "n/a", "n/a", "n/a", "OOM"])
-            continue
-        first = first or res
-        table.append([name, f"{res['mean']:.1f} ± {res['std']:.1f}", f"{res['tok/s']:,.0f}",
-                      "-" if prev is None else f"{prev['mean'] / res['mean']:.2f}x",
-                      f"{first['mean'] / res['mean']:.2f}x", fmt_mfu(res["mfu"]), fmt_peak(res["peak"])])
-        prev = res
-    print_table([f"rung (train step, B={batch} T={seq})", f"ms/step (mean ± std, {steps} steps)", "tokens/s",
-                 "vs previous", "vs fp32", "MFU", "peak alloc (GiB)"], table)
-    if first is None:
-        return "ladder: no rung ran"
-    return (f"ladder: {first['mean']:.1f} ms -> {prev['mean']:.1f} ms per step, "
-            f"speedup over fp32 {first['mean'] / prev['mean']:.2f}x ({prev['tok/s']:,.0f} tokens/s)")
+def parse_ints(text, flag, low, high=None):
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        fail(f"{flag} takes integers separated by commas, got '{text}'")
+    if bad := [v for v in values if v < low or (high is not None and v > high)]:
+        fail(f"{flag} must be at least {low}{'' if high is None else f' and at most {high}'}, got {bad[0]}")
+    return values
 
 
-# --- 7. main
+def starts_with(magic):
+    """check_output_path's test for a file of ours: a trace starts with "{", a PNG with its signature."""
+    def ours(path):
+        with open(path, "rb") as f:
+            return f.read(64).lstrip().startswith(magic)
+    return ours
 
 
-def main():
+def check_args(args, device):
+    """Fill the defaults (GPU: the headline sizes; CPU: seconds) and refuse what cannot work,
+    before any model is built. Returns [(name, config)] and matplotlib's pyplot (or None)."""
+    cpu = device.type != "cuda"
+    if args.model is None:
+        args.model = "tiny" if cpu else "gpt2" if args.ladder else "small"
+    try:
+        configs = [(name, make_config(name)) for name in (n.strip() for n in args.model.split(","))]
+        args.dtype = amp_dtype(args.bf16, args.fp16)
+        if args.trace:
+            check_output_path(args.trace, "--trace", ours=starts_with(b"{"))
+        if args.plot:
+            check_output_path(args.plot, "--plot", ours=starts_with(b"\x89PNG\r\n\x1a\n"))
+        plt = plot_to(args.plot) if args.plot else None  # matplotlib, imported only for --plot
+    except ValueError as e:
+        fail(str(e))
+    if args.fp16 and cpu:
+        fail("--fp16 needs a CUDA GPU (its GradScaler); use --bf16 on the CPU")
+    if cpu and args.attn in GPU_ONLY_ATTENTION:
+        fail(f"--attn {args.attn} needs a CUDA GPU")
+    if args.ladder and (len(configs) > 1 or "," in (args.batch or "") + (args.seq or "")):
+        fail("--ladder takes one --model, one --batch and one --seq")
+    if args.ladder and (args.profile or args.trace or args.mode or args.compile or args.bf16 or args.fp16
+                        or args.tf32 or args.vocab or args.attn != "sdpa"):
+        fail("--ladder sets precision, attention, vocab and compile itself, and cannot be profiled; "
+             "drop those flags")
+    if args.plot and not args.ladder:
+        fail("--plot draws the ladder; add --ladder")
+    block = min(c.block_size for _, c in configs)
+    args.batch = parse_ints(args.batch or ("2" if cpu else "16" if args.ladder else "8"), "--batch", 1)
+    args.seq = parse_ints(args.seq or str(min(block, 64 if cpu else 1024 if args.ladder else 512)), "--seq", 1, block)
+    args.vocab = parse_ints(args.vocab or "50257", "--vocab", 50257, 1 << 20)
+    args.modes = MODES if args.mode in (None, "all") else (args.mode,)
+    for flag, value, low in (("--rounds", args.rounds, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 1)):
+        if value is not None and value < low:
+            fail(f"{flag} must be at least {low}, got {value}" + (" (the first step builds and compiles)"
+                                                                   if flag == "--warmup" else ""))
+    args.rounds = args.rounds or (3 if cpu else 20 if args.ladder else 10)
+    args.steps = args.steps or (1 if cpu else 2 if args.ladder else 3)
+    args.warmup = args.warmup or (1 if cpu else 3)
+    return configs, plt
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help=f"comma list of presets: {', '.join(PRESETS)} (default small; CPU: tiny)")
-    p.add_argument("--d-model", type=int, help="custom model width (with --layers, --heads)")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--d-ff", type=int, help="custom MLP width (default 4 x d-model)")
-    p.add_argument("--batch", help="comma list (default 8; ladder 16; CPU: 2)")
-    p.add_argument("--seq", help="comma list of context lengths (default 512; ladder 1024; CPU: 64)")
-    p.add_argument("--mode", default="all", choices=(*MODES, "all"))
-    p.add_argument("--warmup", help="untimed steps; a comma list is a warm-up study (default 3; CPU: 1)")
-    p.add_argument("--steps", type=int, help="timed steps (default 10; CPU: 3)")
+    p.add_argument("--ladder", action="store_true", help="the GPT-2 speed ladder, every rung in the same rounds")
+    p.add_argument("--plot", help="with --ladder: draw ms per rung into this PNG (needs matplotlib)")
+    p.add_argument("--model", help=f"comma list of {', '.join(PRESETS)} (default small; ladder gpt2; CPU tiny)")
+    p.add_argument("--batch", help="comma list (default 8; ladder 16; CPU 2)")
+    p.add_argument("--seq", help="comma list of context lengths (default 512; ladder 1024; CPU 64)")
+    p.add_argument("--vocab", help="comma list of vocabulary sizes (default 50257); 2+ add the output-GEMM benchmark")
+    p.add_argument("--mode", choices=(*MODES, "all"), help="what one step does (default all)")
+    p.add_argument("--rounds", type=int, help="timed rounds (default 10; ladder 20; CPU 3)")
+    p.add_argument("--steps", type=int, help="steps per variant per round (default 3; ladder 2; CPU 1)")
+    p.add_argument("--warmup", type=int, help="untimed steps per variant first, at least 1 (default 3; CPU 1)")
     p.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--attn", default="sdpa", choices=ATTENTION_IMPLS)
-    p.add_argument("--vocab", default="50257", help="comma list; two or more add the output-GEMM microbenchmark")
-    p.add_argument("--compare", help="comma list of options added one after another to the flags given "
-                   f"({', '.join(COMPARE_OPTIONS)}); each row gets a speedup over the flags alone")
-    p.add_argument("--ladder", action="store_true", help="only the GPT-2 speed ladder (train steps)")
+    p.add_argument("--compile", action="store_true", help="gpt.compile_model (without CUDA graphs: a forward-only "
+                   "step would leave a graph's backward pending)")
+    p.add_argument("--attn", default="sdpa", choices=ATTENTION)
     p.add_argument("--profile", action="store_true", help="torch.profiler view of the first configuration")
     p.add_argument("--trace", help="write the profiled train steps as a Chrome/Perfetto trace (implies --profile)")
-    p.add_argument("--nvtx", action="store_true", help="NVTX ranges for Nsight Systems (CUDA only)")
-    p.add_argument("--memory-fraction", type=float, help="cap this process's share of GPU memory")
-    p.add_argument("--device", help="cuda or cpu (default: cuda if present)")
-    args = p.parse_args()
-
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if present)")
+    args = p.parse_args(argv)
     try:
         device = resolve_device(args.device)
     except ValueError as e:
         fail(str(e))
-    cpu = device.type != "cuda"
-    if cpu and (args.nvtx or args.memory_fraction is not None):
-        fail("--nvtx and --memory-fraction need a CUDA GPU")
-    if args.memory_fraction is not None:
-        if not 0 < args.memory_fraction <= 1:
-            fail(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
-        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
-    if args.steps is not None and args.steps < 1:
-        fail(f"--steps must be at least 1, got {args.steps}")
-    configs = model_configs(args, cpu)
-    if args.ladder and args.model is None and not cpu:
-        configs = [("gpt2", make_config("gpt2"))]
-    batches = parse_ints(args.batch or ("2" if cpu else "16" if args.ladder else "8"), "--batch", 1)
-    seqs = parse_ints(args.seq or ("64" if cpu else "1024" if args.ladder else "512"), "--seq", 1)
-    warmups = parse_ints(args.warmup or ("1" if cpu else "3"), "--warmup", 0)
-    vocabs = parse_ints(args.vocab, "--vocab", 1)
-    args.steps = args.steps or (3 if cpu else 10)
-    check_sizes(configs, vocabs + ([50304] if args.ladder else []), seqs)
-    options = args.compare.split(",") if args.compare else []
-    if unknown := [o for o in options if o not in COMPARE_OPTIONS]:
-        fail(f"unknown --compare option '{unknown[0]}'; choose from {', '.join(COMPARE_OPTIONS)}")
-    base_variant(args, vocabs[0])  # --bf16 with --fp16 fails here, before anything runs
+    configs, plt = check_args(args, device)
 
     peak = gpu_peak_flops(device)
-    if cpu:
+    if device.type != "cuda":
         print(f"device: CPU (no CUDA GPU), torch {torch.__version__}: small sizes that finish in seconds; "
               "CPU numbers show the method, not GPU performance, and MFU/memory are n/a")
     else:
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16 peak "
               f"{'unknown (MFU n/a)' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
-
-    if args.ladder:
-        name, config = configs[0]
-        print(f"speed ladder: {name}, B={batches[0]} T={seqs[0]}, {warmups[0]} warm-up + {args.steps} timed train steps")
-        print("\n" + run_ladder(config, batches[0], seqs[0], warmups[0], args.steps, device, args.nvtx))
-        return
-
-    def variants(vocab):
-        out = [base_variant(args, vocab)]
-        for option in options:
-            out.append(add_option(out[-1], option))
-        return out
-
-    modes = MODES if args.mode == "all" else (args.mode,)
-    speedup = "; speedup = the first config's ms / this row's ms, same shape and mode" if options else ""
-    print(f"timing {', '.join(modes)}: {args.steps} timed steps after the warm-up, mean ± sample std{speedup}")
-    rows = run_sweep(args, configs, vocabs, batches, seqs, modes, warmups, variants, device)
-    print_sweep(rows, args.steps, len(warmups) > 1, bool(options))
-    if len(vocabs) > 1:
-        set_tf32(args.tf32)
-        gemm_microbench(configs[0][1], batches[0] * seqs[0], base_variant(args, vocabs[0])["dtype"], device)
-    if args.profile or args.trace:
-        profile(configs[0][1], base_variant(args, vocabs[0]), batches[0], seqs[0], warmups[0], args.steps,
-                device, args.trace)
-    print("\n" + sweep_summary(rows, bool(options)))
+    what = "the ladder"
+    try:
+        if args.ladder:
+            print("\n" + run_ladder(configs[0][1], args.batch[0], args.seq[0], device, args, plt))
+            return
+        what = "the sweep"
+        summary = print_sweep(args, run_sweep(args, configs, device), device)
+        if len(args.vocab) > 1:
+            what = "the output-GEMM benchmark"
+            set_tf32(args.tf32)
+            gemm_microbench(args.batch[0] * args.seq[0], configs[0][1].n_embd, args.dtype, device, args)
+        if args.profile or args.trace:
+            what = "the profiled configuration"
+            s = {**FIRST_RUNG, "tf32": args.tf32, "dtype": args.dtype, "attn": args.attn, "vocab": args.vocab[0],
+                 "compile": args.compile, "fused_ce": True}
+            bench = build(configs[0][1], s, device)
+            B, T = args.batch[0], args.seq[0]
+            print(f"\nprofile of {configs[0][0]} V={s['vocab']} B={B} T={T}, {args.steps} steps each: "
+                  + ("GPU kernel time" if device.type == "cuda" else "CPU time of each op (no GPU: ops, not kernels)"))
+            print_profile(profile_steps(bench, B, T, device, args.warmup, args.steps), bench, B, T, args.steps,
+                          device, args.trace)
+        print("\n" + summary)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not is_oom(e):
+            raise
+        fail(f"out of GPU memory in {what}; try a smaller --batch or --seq")
 
 
 if __name__ == "__main__":

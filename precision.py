@@ -1,48 +1,37 @@
-"""fp32, TF32, bf16 and fp16, measured rather than asserted.
+"""fp32, TF32, bf16, fp16 and FP8, measured rather than asserted.
 
 A float format is a trade between range (exponent bits) and resolution (mantissa bits). bf16 keeps
 fp32's range with 7 mantissa bits, so it needs no loss scaling but accumulates badly; fp16 has
 3 more mantissa bits but a range that gradients fall out of, hence GradScaler; TF32 is fp32 storage
-fed to the tensor cores with a 10-bit mantissa. Each section below runs alone and ends with one
-line saying what its numbers show.
+fed to the tensor cores with a 10-bit mantissa; FP8 (e4m3, e5m2) needs a scale per tensor or per
+row, and pays only where the GEMM saves more than the casts cost. Each section runs alone and ends
+with one line saying what its numbers show.
 
     python precision.py                         # every section the machine supports
     python precision.py --only accumulate,layernorm
     python precision.py --only tf32 --model gpt2 --batch 8 --seq 1024
-    python precision.py --only mixed --models tiny,gpt2 --steps 10
+    python precision.py --only mixed --models tiny,gpt2 --rounds 10
+    python precision.py --only fp8              # H100/H200: which Linear layers gain from FP8
 
-Sections: formats, accumulate, autocast, layernorm, tf32, gradscaler, mixed (the last two need CUDA).
+Sections: formats, accumulate, autocast, layernorm, tf32, gradscaler and mixed (CUDA), fp8 (speed: H100/H200).
+Timings come from gpt.py's timer (variants interleaved in rounds): median (min-max), paired ratios.
 
-Excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-22), section 7 (`--only mixed`):
-
-    model            precision               step (ms)  k tokens/s  peak allocated (GiB)
-    ---------------  ----------------------  ---------  ----------  --------------------
-    tiny B=8 T=256                     fp32        7.3       280.7                  1.74
-    tiny B=8 T=256                     tf32        8.0       255.4                  1.74
-    tiny B=8 T=256            bf16 autocast        8.2       249.2                  1.35
-    tiny B=8 T=256   fp16 autocast + scaler        9.9       207.9                  1.35
-    gpt2 B=8 T=1024                    fp32      160.6        51.0                 12.14
-    gpt2 B=8 T=1024                    tf32       68.0       120.5                 12.14
-    gpt2 B=8 T=1024           bf16 autocast       39.8       206.0                  8.88
-    gpt2 B=8 T=1024  fp16 autocast + scaler       41.2       198.7                  8.88
-    takeaway: bf16 autocast against fp32: tiny 0.89x the speed at 0.78x the peak memory; gpt2 4.04x the speed at 0.73x the peak memory; mixed precision pays where large matmuls dominate the step, much less where launches and casts do.
+(excerpt to be refreshed from the next GPU run)
 """
 
 import argparse
-import gc
 import math
-import os
-import time
-import warnings
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt import (GPT, autocast, configure_optimizer, fail, gib, load_tokens, make_config,
-                 print_table, resolve_device, set_tf32, synchronize)
+from gpt import (E4M3, E5M2, FP8_LAYERS, GPT, Fp8Linear, autocast, compare, compile_model, configure_optimizer,
+                 fail, fp8_mm, fp8_supported, free_memory, gib, is_oom, load_tokens, make_config, print_table,
+                 resolve_device, set_tf32, summarize, synchronize, time_rounds, to_fp8, train_step)
 
-SECTIONS = ("formats", "accumulate", "autocast", "layernorm", "tf32", "gradscaler", "mixed")
+SECTIONS = ("formats", "accumulate", "autocast", "layernorm", "tf32", "gradscaler", "mixed", "fp8")
 CUDA_ONLY = ("gradscaler", "mixed")
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
@@ -55,11 +44,15 @@ def short(dtype):
 # --- 1. formats: what the bits buy
 
 
+FORMAT_HEADERS = ["format", "exponent bits", "mantissa bits", "eps", "largest", "smallest normal",
+                  "smallest subnormal", "range (binades)", "decimal digits"]
+
+
 def format_row(name, bits, mantissa, eps, largest, smallest_normal):
-    exponent = bits - 1 - mantissa
+    subnormal = smallest_normal * eps  # the last mantissa bit below the smallest normal
     digits = (mantissa + 1) * math.log10(2)  # significand bits (implicit 1 included) in decimal
-    return [name, 1, exponent, mantissa, f"{eps:.3g}", f"{largest:.4g}", f"{smallest_normal:.3g}",
-            f"{digits:.1f}"]
+    return [name, bits - 1 - mantissa, mantissa, f"{eps:.3g}", f"{largest:.4g}", f"{smallest_normal:.3g}",
+            f"{subnormal:.3g}", f"{math.log2(largest / subnormal):.1f}", f"{digits:.1f}"]
 
 
 def formats_table():
@@ -67,22 +60,20 @@ def formats_table():
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16),
                         ("fp8 e4m3", torch.float8_e4m3fn), ("fp8 e5m2", torch.float8_e5m2)):
         fi = torch.finfo(dtype)
-        mantissa = round(-math.log2(fi.eps))
-        rows.append(format_row(name, fi.bits, mantissa, fi.eps, fi.max, fi.smallest_normal))
+        rows.append(format_row(name, fi.bits, round(-math.log2(fi.eps)), fi.eps, fi.max, fi.smallest_normal))
         if name == "fp32":
             # TF32 is not a storage dtype (torch.finfo has no entry): it is the tensor cores'
             # input format, 1 sign / 8 exponent / 10 mantissa bits, so fp32's range with fp16's
             # resolution. The layout is NVIDIA's; the values follow from it.
-            rows.append(format_row("tf32 (layout)", 19, 10, 2.0**-10, (2 - 2.0**-10) * 2.0**127,
-                                   2.0**-126))
+            rows.append(format_row("tf32 (layout)", 19, 10, 2.0**-10, (2 - 2.0**-10) * 2.0**127, 2.0**-126))
     return rows
 
 
 def section_formats(args, device):
-    print_table(["format", "sign", "exponent bits", "mantissa bits", "eps", "largest",
-                 "smallest normal", "decimal digits"], formats_table())
+    print_table(FORMAT_HEADERS, formats_table())
     print("takeaway: bf16 and TF32 keep fp32's exponent (range to 3.4e38) with 8 and 11 significant "
-          "bits; fp16 buys 3 more bits of resolution with a range that ends at 65504.")
+          "bits; fp16 buys 3 more bits of resolution with a range that ends at 65504; FP8 spans so few "
+          "binades that every tensor needs its own scale.")
 
 
 # --- 2. accumulate: why a low-precision running sum stops growing
@@ -120,24 +111,16 @@ def accumulate_rows():
     rows = []
     for value, n in ((0.01, 1000), (0.001, 10000)):
         exact = value * n
-        for acc_dtype, addend_dtype, cast in ((torch.float32, None, "implicit"),
-                                              (torch.float16, None, "implicit"),
-                                              (torch.bfloat16, None, "implicit"),
-                                              (torch.float32, torch.float16, "implicit"),
-                                              (torch.float32, torch.float16, "explicit"),
-                                              (torch.float32, torch.float16, "slice"),
-                                              (torch.float32, torch.bfloat16, "implicit"),
-                                              (torch.float32, torch.bfloat16, "explicit")):
-            r = accumulate(value, n, acc_dtype, addend_dtype, cast)
-            addend = addend_dtype or acc_dtype
-            stored = torch.tensor(value, dtype=addend).item()  # the addend after rounding
-            stall = "-"
-            if r["stall_step"] is not None:
-                u = ulp(r["stall_value"], r["dtype"])
-                stall = f"step {r['stall_step']} at {r['stall_value']:g} (ulp {u:.3g}, half {u / 2:.3g})"
-            rows.append([f"{value} x {n}", short(acc_dtype), short(addend), cast, f"{stored:.8g}",
-                         short(r["dtype"]), f"{r['total']:.6f}", f"{abs(r['total'] - exact) / exact:.2e}",
-                         stall])
+        f32, f16, b16 = torch.float32, torch.float16, torch.bfloat16
+        for acc_dtype, addend_dtype, cast in ((f32, None, "implicit"), (f16, None, "implicit"), (b16, None, "implicit"),
+                                              (f32, f16, "implicit"), (f32, f16, "explicit"), (f32, f16, "slice"),
+                                              (f32, b16, "implicit"), (f32, b16, "explicit")):
+            r, addend = accumulate(value, n, acc_dtype, addend_dtype, cast), addend_dtype or acc_dtype
+            u = ulp(r["stall_value"], r["dtype"]) if r["stall_step"] else None
+            stall = f"step {r['stall_step']} at {r['stall_value']:g} (ulp {u:.3g}, half {u / 2:.3g})" if u else "-"
+            rows.append([f"{value} x {n}", short(acc_dtype), short(addend), cast,
+                         f"{torch.tensor(value, dtype=addend).item():.8g}",  # the addend after rounding
+                         short(r["dtype"]), f"{r['total']:.6f}", f"{abs(r['total'] - exact) / exact:.2e}", stall])
     return rows
 
 
@@ -152,26 +135,13 @@ def section_accumulate(args, device):
 # --- 3. autocast: which dtype each op really produced
 
 
-class ToyModel(nn.Module):
-    def __init__(self, d_in=64, d_hidden=128, n_out=10):
-        super().__init__()
-        self.fc1 = nn.Linear(d_in, d_hidden)
-        self.relu = nn.ReLU()
-        self.ln = nn.LayerNorm(d_hidden)
-        self.fc2 = nn.Linear(d_hidden, n_out)
-
-    def forward(self, x):
-        return self.fc2(self.ln(self.relu(self.fc1(x))))
-
-
 def autocast_dtypes(device, dtype, batch=32):
-    """Run the toy model forward and backward under autocast(device, dtype) and return what the
-    hooks saw: {what: torch.dtype}. An empty dict means autocast refused the dtype on this device
-    (torch warns and disables it rather than raising)."""
+    """Run a toy model forward and backward under autocast(device, dtype) and return what the
+    hooks saw: {what: torch.dtype}."""
     torch.manual_seed(0)
-    model = ToyModel().to(device)
-    seen = {}
-    hooks = []
+    model = nn.Sequential(OrderedDict(fc1=nn.Linear(64, 128), relu=nn.ReLU(), ln=nn.LayerNorm(128),
+                                      fc2=nn.Linear(128, 10))).to(device)
+    seen, hooks = {}, []
     for name, module in model.named_children():
         def forward_hook(mod, inputs, output, name=name):
             seen[f"{name} output"] = output.dtype
@@ -186,13 +156,8 @@ def autocast_dtypes(device, dtype, batch=32):
     # an input that requires grad, so the full backward hooks also see the first layer's gradient
     x = torch.randn(batch, 64, device=device, requires_grad=True)
     y = torch.randint(0, 10, (batch,), device=device)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with torch.autocast(device.type, dtype=dtype):
-            logits = model(x)
-            loss = F.cross_entropy(logits, y)
-    if any("autocast" in str(w.message).lower() for w in caught):
-        return {}
+    with torch.autocast(device.type, dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
     seen["loss (cross_entropy)"] = loss.dtype
     loss.backward()  # outside the context, as recommended: backward ops reuse the forward's dtypes
     seen["fc1.weight.grad"] = model.fc1.weight.grad.dtype
@@ -209,14 +174,10 @@ AUTOCAST_ROWS = ("fc1.weight inside context", "fc1 output", "relu output", "ln o
 
 def section_autocast(args, device):
     captured = {name: autocast_dtypes(device, dtype) for name, dtype in LOW.items()}
-    rows = [[what] + [short(captured[n][what]) if captured[n] else "n/a" for n in LOW]
-            for what in AUTOCAST_ROWS]
-    print_table(["tensor (toy Linear-ReLU-LayerNorm-Linear)"] + [f"autocast {n} on {device.type}" for n in LOW],
-                rows)
+    rows = [[what] + [short(captured[n][what]) for n in LOW] for what in AUTOCAST_ROWS]
+    print_table(["tensor (toy Linear-ReLU-LayerNorm-Linear)"] + [f"autocast {n} on {device.type}" for n in LOW], rows)
     if device.type == "cpu":
-        print("note: this is the CPU autocast policy, which differs from CUDA's (its op lists are "
-              "separate; e.g. CUDA autocast runs LayerNorm in fp32, CPU may not); run on a GPU for "
-              "the CUDA table.")
+        print("note: the CPU autocast policy (its op lists differ from CUDA's); run on a GPU for CUDA's.")
     print("takeaway: autocast leaves the parameters and their gradients in fp32 and casts per op: "
           "matmuls run in the low dtype, reductions like the loss stay in fp32, and backward "
           "mirrors the forward's dtypes.")
@@ -250,10 +211,6 @@ def layernorm_case(offset, scale, rows=64, width=768):
     return out
 
 
-def fmt_err(e):
-    return "inf/nan" if not math.isfinite(e) else f"{e:.2e}"
-
-
 LAYERNORM_CASES = ((0.0, 1.0), (0.0, 30.0), (0.0, 100.0), (0.0, 1000.0), (10.0, 0.1), (100.0, 1.0))
 
 
@@ -262,8 +219,9 @@ def section_layernorm(args, device):
     for offset, scale in LAYERNORM_CASES:
         r = layernorm_case(offset, scale)
         rows.append([f"{offset:g} + {scale:g}*N(0,1)", f"{r['max_x2']:.3g}",
-                     "overflow" if r["fp16_overflow"] else "no", fmt_err(r["fp16_err"]),
-                     fmt_err(r["bf16_err"]), fmt_err(r["torch_bf16_err"])])
+                     "overflow" if r["fp16_overflow"] else "no"]
+                    + [f"{e:.2e}" if math.isfinite(e) else "inf/nan"
+                       for e in (r["fp16_err"], r["bf16_err"], r["torch_bf16_err"])])
     print_table(["input x (768 wide)", "max x^2", "fp16 x^2 > 65504", "fp16 max abs err",
                  "bf16 max abs err", "F.layer_norm(bf16) err"], rows)
     print("takeaway: all-fp16 statistics overflow once |x| > 256; bf16 never overflows but loses "
@@ -273,167 +231,98 @@ def section_layernorm(args, device):
 
 # --- 5. tf32: matmul speed and error, and what TF32 does to memory
 
-
-def time_op(fn, device, iters):
-    """Mean milliseconds per call after two warm-up calls. CUDA events time the GPU work itself;
-    the host only queues kernels, so wall-clock time without a synchronize would be wrong."""
-    for _ in range(2):
-        fn()
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / iters
-
-
 MATMUL_MODES = ("fp32 ieee", "tf32", "bf16", "fp16")
 
 
-def matmul_rows(device, sizes):
-    """Table rows, and {mode: (ms, rel error)} at the largest size for the takeaway."""
+def matmul_rows(device, sizes, args):
+    """Table rows, and {mode: (Timing, rel error)} at the largest size for the takeaway. The
+    modes of one size run interleaved in gpt.py's timer; TF32 is a process-wide switch, so each
+    variant sets it before queueing its matmul."""
     rows, largest = [], {}
     for n in sizes:
         g = torch.Generator(device=device).manual_seed(0)
         a = torch.randn(n, n, device=device, generator=g)
         b = torch.randn(n, n, device=device, generator=g)
         ref = a.double() @ b.double()
+        ops, errors = {}, {}
         for mode in MATMUL_MODES:
             if mode == "tf32" and device.type != "cuda":
-                rows.append([f"{n}", mode, "n/a", "n/a", "n/a (TF32 is CUDA-only)"])
                 continue
+            x, y = a.to(LOW.get(mode, torch.float32)), b.to(LOW.get(mode, torch.float32))
             set_tf32(mode == "tf32")
-            dtype = LOW.get(mode, torch.float32)
-            x, y = a.to(dtype), b.to(dtype)
-            err = ((x @ y).double() - ref).norm().item() / ref.norm().item()
-            iters = max(3, min(100, int(4e12 / (2 * n**3)))) if device.type == "cuda" else 3
-            ms = time_op(lambda: x @ y, device, iters)
-            rows.append([f"{n}", mode, f"{ms:.3f}", f"{2 * n**3 / ms / 1e9:.3g}", f"{err:.2e}"])
-            largest[mode] = (ms, err)
-            del x, y
+            errors[mode] = ((x @ y).double() - ref).norm().item() / ref.norm().item()
+            ops[mode] = lambda x=x, y=y, tf32=mode == "tf32": (set_tf32(tf32), x @ y)
+        stats = compare(ops, device, baseline="fp32 ieee", rounds=args.rounds, steps=args.steps)
         set_tf32(False)
-        del a, b, ref
+        for mode in MATMUL_MODES:
+            t = stats.get(mode)
+            if t is None:
+                rows.append([n, mode, "n/a", "n/a", "n/a", "n/a (TF32 is CUDA-only)"])
+                continue
+            rows.append([n, mode, t.ms(3), f"{2 * n**3 / t.median / 1e9:.3g}", t.vs(), f"{errors[mode]:.2e}"])
+            largest[mode] = (t, errors[mode])
     return rows, largest
 
 
-def train_step(model, optimizer, x, y, dtype=None, scaler=None):
-    """One optimizer step; fp16 goes through the scaler (see section 6)."""
-    optimizer.zero_grad(set_to_none=True)
-    with autocast(x.device, dtype):
-        _, loss = model(x, y)
-    if scaler is not None:
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        loss.backward()
-        optimizer.step()
-    return loss.detach()
-
-
-def cublas_workspace_config():
-    """The configured cuBLAS workspace size as torch reports it ('n/a' on a torch without the
-    query: torch.backends.cuda.cublas_workspace_size is recent) and the environment override."""
-    env = f"CUBLAS_WORKSPACE_CONFIG={os.environ.get('CUBLAS_WORKSPACE_CONFIG', 'unset')}"
-    query = getattr(torch.backends.cuda, "cublas_workspace_size", None)
-    try:
-        return f"{query() / 2**20:.0f} MiB, {env}" if query else f"n/a, {env}"
-    except (RuntimeError, AttributeError):  # a build without CUDA lacks the binding
-        return f"n/a, {env}"
-
-
-def fresh_model(config, batch, T, device):
-    """A seeded model, its AdamW and a (batch, T) token batch, built after the previous row's
-    tensors are freed and the peak counter reset, so each row's memory figures are its own."""
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+def seeded_model(config, batch, T, device):
+    """The same model, AdamW and (batch, T) token batch for every row."""
     torch.manual_seed(0)
     model = GPT(config).to(device)
-    x = torch.randint(0, config.vocab_size, (batch, T), device=device)
-    return model, configure_optimizer(model, lr=1e-4), x
+    return model, configure_optimizer(model, lr=1e-4), torch.randint(0, 50257, (batch, T), device=device)
 
 
 def tf32_memory_rows(args, device):
-    """A GPT training step with TF32 off and on, and where its memory goes. The cuBLAS workspace
-    comes out of the caching allocator, so it hides inside memory_allocated; clearing the
-    workspaces after the step and watching memory_allocated drop measures it. Whatever cuBLAS
-    allocates by itself, outside the allocator, shows only in the device-wide figure from
-    cudaMemGetInfo (which also holds the CUDA context)."""
+    """A GPT training step with TF32 off and on, and where its memory goes. cuBLAS workspaces come
+    out of the caching allocator, hidden inside memory_allocated: clearing them after the step
+    and watching memory_allocated drop measures them. What cuBLAS allocates by itself shows only
+    in the device-wide figure from cudaMemGetInfo (which also holds the CUDA context)."""
     config = make_config(args.model)
     T = min(args.seq, config.block_size)
     rows, measured = [], {}
     for enabled in (False, True):
         set_tf32(enabled)
         torch._C._cuda_clearCublasWorkspaces()  # each setting starts without the other's workspace
-        try:
-            model, optimizer, x = fresh_model(config, args.batch, T, device)
-            train_step(model, optimizer, x, x)  # warm-up: creates optimizer state and workspaces
-            ms = time_op(lambda: train_step(model, optimizer, x, x), device, args.steps)
-            allocated = torch.cuda.memory_allocated(device)
-            peak = torch.cuda.max_memory_allocated(device)
-            reserved = torch.cuda.memory_reserved(device)
-            free, total = torch.cuda.mem_get_info(device)
-            torch._C._cuda_clearCublasWorkspaces()
-            workspace = allocated - torch.cuda.memory_allocated(device)
-            rows.append([f"{args.model} B={args.batch} T={T}", "on" if enabled else "off", f"{ms:.1f}",
-                         gib(allocated), gib(peak), gib(reserved), f"{workspace / 2**20:.1f}",
-                         gib(total - free)])
-            measured[enabled] = (peak, reserved, workspace, total - free)
-            del model, optimizer, x
-        except torch.OutOfMemoryError:
-            model = optimizer = x = None  # drop the references so the next setting starts clean
-            rows.append([f"{args.model} B={args.batch} T={T}", "on" if enabled else "off"] + ["OOM"] * 6)
+        name = [f"{args.model} B={args.batch} T={T}", "on" if enabled else "off"]
+        free_memory()  # the previous row's tensors, so that each row's figures are its own
+        torch.cuda.reset_peak_memory_stats(device)
+        model, optimizer, x = seeded_model(config, args.batch, T, device)
+        for _ in range(2):  # the first step creates AdamW's state and the workspaces
+            train_step(model, optimizer, x, x)
+        synchronize(device)
+        allocated, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+        reserved, (free, total) = torch.cuda.memory_reserved(device), torch.cuda.mem_get_info(device)
+        torch._C._cuda_clearCublasWorkspaces()
+        workspace = allocated - torch.cuda.memory_allocated(device)
+        rows.append(name + [gib(allocated), gib(peak), gib(reserved), f"{workspace / 2**20:.1f}", gib(total - free)])
+        measured[enabled] = (peak, reserved, workspace, total - free)
+        del model, optimizer, x
     set_tf32(False)
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_memory()
     return rows, measured
 
 
 def section_tf32(args, device):
     sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256)
-    rows, largest = matmul_rows(device, sizes)
-    print_table(["n (n x n @ n x n)", "mode", "time (ms, mean)", "TFLOP/s", "rel error vs fp64"], rows)
-    n, (fp32_ms, fp32_err) = sizes[-1], largest["fp32 ieee"]
-    errors = ", ".join(f"{m} {e:.1e}" for m, (_, e) in largest.items() if math.isfinite(e))
+    rows, largest = matmul_rows(device, sizes, args)
+    print(f"n x n @ n x n, {args.rounds} rounds of {args.steps} matmuls per mode")
+    print_table(["n", "mode", "ms, median (min-max)", "TFLOP/s", "time vs fp32 (paired)", "rel error vs fp64"], rows)
+    errors = ", ".join(f"{m} {e:.1e}" for m, (_, e) in largest.items())
+    speedups = ", ".join(f"{m} {1 / t.ratio:.1f}x" for m, (t, _) in largest.items() if m != "fp32 ieee")
+    print(f"takeaway (matmul): at n={sizes[-1]}, speed over fp32 {speedups}; relative errors {errors}"
+          + ("." if device.type == "cuda" else "; TF32 and the GPT-step memory table need CUDA."))
     if device.type != "cuda":
-        print(f"takeaway: at n={n} the relative errors are {errors}; TF32, its speed-up and the "
-              "GPT-step memory table need NVIDIA tensor cores (CUDA).")
         return
-    speedups = ", ".join(f"{m} {fp32_ms / ms:.1f}x" for m, (ms, _) in largest.items() if m != "fp32 ieee")
-    print(f"takeaway (matmul): at n={n}, speed over fp32 {speedups}; relative errors {errors}.")
-    print(f"\nGPT training step, TF32 off vs on (mean of {args.steps} steps after 1 warm-up; "
-          f"cuBLAS workspace configured: {cublas_workspace_config()})")
+    print("\nGPT training step, TF32 off vs on, after 2 steps (memory only: the step time is section 7's)")
     rows, measured = tf32_memory_rows(args, device)
-    print_table(["model", "TF32", "step (ms)", "allocated after step (GiB)", "max allocated (GiB)",
-                 "reserved (GiB)", "cuBLAS workspaces in allocated (MiB)", "device used (GiB)"], rows)
-    if len(measured) == 2:
-        diff = [(on - off) / 2**20 for off, on in zip(measured[False], measured[True])]
-        print("takeaway (memory): TF32 on minus off: max allocated {:+.1f} MiB, reserved {:+.1f} MiB, "
-              "cuBLAS workspaces {:+.1f} MiB, device used {:+.1f} MiB; TF32 changes how fp32 inputs "
-              "are rounded inside the matmul, not what is stored.".format(*diff))
+    print_table(["model", "TF32", "allocated after step (GiB)", "max allocated (GiB)", "reserved (GiB)",
+                 "cuBLAS workspaces in allocated (MiB)", "device used (GiB)"], rows)
+    diff = [(on - off) / 2**20 for off, on in zip(measured[False], measured[True])]
+    print("takeaway (memory): TF32 on minus off: max allocated {:+.1f} MiB, reserved {:+.1f} MiB, "
+          "cuBLAS workspaces {:+.1f} MiB, device used {:+.1f} MiB; TF32 changes how fp32 inputs "
+          "are rounded inside the matmul, not what is stored.".format(*diff))
 
 
 # --- 6. gradscaler: fp16 gradients that vanish without loss scaling
-
-
-def count_activation_grads(model, counts):
-    """Hook every Linear: count elements of the gradient arriving at its output (the tensor that
-    is fp16/bf16 under autocast) that are exactly zero or not finite. In fp32 these gradients are
-    almost never exactly zero (GELU, softmax), so zeros in fp16 are underflow."""
-    def hook(module, grad_input, grad_output):
-        g = grad_output[0]
-        counts["zero"] += (g == 0).sum().item()
-        counts["nonfinite"] += (~torch.isfinite(g)).sum().item()
-        counts["total"] += g.numel()
-
-    return [m.register_full_backward_hook(hook) for m in model.modules() if isinstance(m, nn.Linear)]
 
 
 def gradscaler_run(dtype, use_scaler, tokens, args, device):
@@ -443,27 +332,29 @@ def gradscaler_run(dtype, use_scaler, tokens, args, device):
     optimizer = configure_optimizer(model, lr=1e-3)
     scaler = torch.amp.GradScaler(device.type) if use_scaler else None
     counts = {"zero": 0, "nonfinite": 0, "total": 0}
-    hooks = count_activation_grads(model, counts)
-    g = torch.Generator().manual_seed(0)
+
+    def hook(module, grad_input, grad_output):
+        """The gradient arriving at a Linear's output (fp16/bf16 under autocast): in fp32 it is
+        almost never exactly zero (GELU, softmax), so zeros in fp16 are underflow."""
+        counts["zero"] += (grad_output[0] == 0).sum().item()
+        counts["nonfinite"] += (~torch.isfinite(grad_output[0])).sum().item()
+        counts["total"] += grad_output[0].numel()
+    hooks = [m.register_full_backward_hook(hook) for m in model.modules() if isinstance(m, nn.Linear)]
     T, B = config.block_size, args.batch
-    losses, skipped, param_zero = [], 0, []
+    losses, skipped = [], 0
     for step in range(args.steps):
-        starts = torch.randint(0, len(tokens) - T - 1, (B,), generator=g)
-        x = torch.stack([tokens[s:s + T] for s in starts]).to(device)
-        y = torch.stack([tokens[s + 1:s + T + 1] for s in starts]).to(device)
+        chunk = tokens[step * B * T:(step + 1) * B * T + 1].to(device)
+        x, y = chunk[:-1].view(B, T), chunk[1:].view(B, T)
         scale = scaler.get_scale() if scaler else None
         losses.append(train_step(model, optimizer, x, y, dtype, scaler).item())
         if scaler and scaler.get_scale() < scale:
             skipped += 1  # the scaler found inf/nan gradients, skipped the step and halved the scale
-        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-        param_zero.append((grads == 0).float().mean().item())
     for h in hooks:
         h.remove()
     name = f"{short(dtype)} autocast" + (" + GradScaler" if use_scaler else "")
-    return [name, f"{100 * counts['zero'] / counts['total']:.2f}",
-            f"{100 * counts['nonfinite'] / counts['total']:.4f}", f"{100 * sum(param_zero) / len(param_zero):.2f}",
-            f"{losses[0]:.3f}", f"{losses[-1]:.3f}",
-            f"{scaler.get_scale():.0f}" if scaler else "-", skipped if scaler else "-"]
+    return [name, f"{100 * counts['zero'] / counts['total']:.2f}", f"{100 * counts['nonfinite'] / counts['total']:.4f}",
+            f"{losses[0]:.3f}", f"{losses[-1]:.3f}", f"{scaler.get_scale():.0f}" if scaler else "-",
+            skipped if scaler else "-"]
 
 
 def section_gradscaler(args, device):
@@ -471,8 +362,8 @@ def section_gradscaler(args, device):
     rows = [gradscaler_run(dtype, use_scaler, tokens, args, device)
             for dtype, use_scaler in ((torch.float16, False), (torch.float16, True), (torch.bfloat16, False))]
     print(f"tiny GPT, B={args.batch} T=256, {args.steps} steps of AdamW lr 1e-3 on input.txt")
-    print_table(["run", "act-grad zero (%)", "act-grad inf/nan (%)", "param-grad zero (%)",
-                 "loss first", "loss last", "final scale", "skipped steps"], rows)
+    print_table(["run", "act-grad zero (%)", "act-grad inf/nan (%)", "loss first", "loss last", "final scale",
+                 "skipped steps"], rows)
     zeros = ", ".join(f"{row[0]} {row[1]}%" for row in rows)
     print(f"takeaway: activation-gradient elements that were exactly zero: {zeros}; fp16 flushes "
           "anything below 6e-8 to zero, the scaler multiplies the loss to keep such gradients "
@@ -486,77 +377,235 @@ MIXED_MODES = (("fp32", None, False), ("tf32", None, True), ("bf16 autocast", to
                ("fp16 autocast + scaler", torch.float16, False))
 
 
-def mixed_row(model_name, mode, dtype, tf32, args, device):
-    config = make_config(model_name)
-    T = min(args.seq, config.block_size)
-    set_tf32(tf32)  # autocast rows keep TF32 off: their matmuls are already bf16/fp16
-    try:
-        model, optimizer, x = fresh_model(config, args.batch, T, device)
-        scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-        ms = time_op(lambda: train_step(model, optimizer, x, x, dtype, scaler), device, args.steps)
-        peak = torch.cuda.max_memory_allocated(device)
-        del model, optimizer, x
-        return [f"{model_name} B={args.batch} T={T}", mode, f"{ms:.1f}", f"{args.batch * T / ms:.1f}", gib(peak)]
-    except torch.OutOfMemoryError:
-        return [f"{model_name} B={args.batch} T={T}", mode, "OOM", "OOM", "OOM"]
-    finally:
-        set_tf32(False)
-        gc.collect()
-        torch.cuda.empty_cache()
+def mixed_variant(config, T, dtype, tf32, args, device):
+    """A variant for gpt.time_rounds that builds its model at its first call, inside the timer's
+    warm-up (an out-of-memory there marks this row alone), and notes what the other rows held
+    then: the timer's peak is process-wide, this row's own is peak - held."""
+    state = {}
+
+    def step():
+        if not state:
+            state["held"] = torch.cuda.memory_allocated(device)
+            state["run"] = seeded_model(config, args.batch, T, device), \
+                torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        (model, optimizer, x), scaler = state["run"]
+        set_tf32(tf32)  # autocast rows keep TF32 off: their matmuls are already bf16/fp16
+        train_step(model, optimizer, x, x, dtype, scaler)
+    step.state = state
+    return step
 
 
 def section_mixed(args, device):
     rows, gains = [], []
     for model_name in args.models:
-        for mode, dtype, tf32 in MIXED_MODES:
-            rows.append(mixed_row(model_name, mode, dtype, tf32, args, device))
-            print(f"  measured {model_name} {mode}", flush=True)
-        fp32, bf16 = rows[-len(MIXED_MODES)], rows[-2]
-        if "OOM" not in (fp32[2], bf16[2]):
-            gains.append(f"{model_name} {float(fp32[2]) / float(bf16[2]):.2f}x the speed at "
-                         f"{float(bf16[4]) / float(fp32[4]):.2f}x the peak memory")
-    print(f"train step, mean of {args.steps} steps after 2 warm-ups; peak = max_memory_allocated")
-    print_table(["model", "precision", "step (ms)", "k tokens/s", "peak allocated (GiB)"], rows)
+        config = make_config(model_name)
+        T = min(args.seq, config.block_size)
+        variants = {mode: mixed_variant(config, T, dtype, tf32, args, device) for mode, dtype, tf32 in MIXED_MODES}
+        print(f"  {model_name}: {len(variants)} precisions, {args.rounds} rounds", flush=True)
+        times, peaks = time_rounds(variants, device, args.rounds, args.steps)
+        set_tf32(False)
+        stats = summarize(times, "fp32", {m: p - variants[m].state["held"] for m, p in peaks.items()})
+        for mode, t in stats.items():
+            rows.append([f"{model_name} B={args.batch} T={T}", mode] + (["OOM"] * 4 if t is None else
+                        [t.ms(1), f"{args.batch * T / t.median:.1f}", gib(t.peak), t.vs()]))
+        fp32, bf16 = stats["fp32"], stats["bf16 autocast"]
+        if fp32 and bf16:
+            gains.append(f"{model_name} {1 / bf16.ratio:.2f}x the speed at {bf16.peak / fp32.peak:.2f}x "
+                         "the peak memory")
+        del variants
+        free_memory()
+    print(f"train step, {args.rounds} rounds of {args.steps} steps, all precisions of a model interleaved; "
+          "peak = max_memory_allocated of that row alone")
+    print_table(["model", "precision", "step ms, median (min-max)", "k tokens/s", "peak allocated (GiB)",
+                 "time vs fp32 (paired)"], rows)
     print(f"takeaway: bf16 autocast against fp32: {'; '.join(gains) or 'n/a'}; mixed precision pays "
           "where large matmuls dominate the step, much less where launches and casts do.")
+
+
+# --- 8. fp8: two 8-bit formats, a scale per tensor or per row, and where the GEMM pays
+# e4m3 (3 mantissa bits, max 448) for weights and activations, e5m2 (2 bits, twice the binades)
+# for gradients. A scale maps the tensor's largest magnitude to the format's max before the cast
+# (dynamic scaling, every step). FP8 is floating point: the scale cannot change a value's relative
+# rounding, only push small values below the smallest normal, where bits are lost; that is where
+# one scale per row beats one per tensor.
+
+FP8 = {"e4m3": E4M3, "e5m2": E5M2}
+# GPT-2's Linear layers at B=16, T=1024: (name as in gpt.FP8_LAYERS, in features, out features)
+FP8_SHAPES = (("attn.c_attn", 768, 2304), ("attn.c_proj", 768, 768), ("mlp.c_fc", 768, 3072),
+              ("mlp.c_proj", 3072, 768), ("lm_head", 768, 50304))
+FP8_TOKENS = 16384
+
+
+def to_fp8_rowwise(t, dtype):
+    """gpt.to_fp8 with one scale per row (per token). (The weight-gradient GEMM sums over the
+    tokens, so there the scales would have to run along the other axis.)"""
+    amax = t.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = torch.finfo(dtype).max / amax
+    return (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), scale.reciprocal()
+
+
+def fp8_round_trip(t, dtype, rowwise=False):
+    """(relative Frobenius error of t after scaling, casting to dtype and back; fraction of its
+    nonzero values that the scale left below dtype's smallest normal)."""
+    q, inverse = (to_fp8_rowwise if rowwise else to_fp8)(t, dtype)
+    t = t.float()
+    error = ((q.float() * inverse - t).norm() / t.norm()).item()
+    low = ((t.abs() / inverse < torch.finfo(dtype).smallest_normal) & (t != 0)).sum() / (t != 0).sum()
+    return error, low.item()
+
+
+def capture_linear_tensors(model_name, B, T, device, dtype=None):
+    """{"<layer> input" / "<layer> output grad": (tokens, features) fp32 tensor} for the middle
+    block's four Linears and the output layer, from one forward and backward of a freshly
+    initialised model on the first B*T+1 tokens of input.txt."""
+    config = make_config(model_name, fused_ce=False)  # the lm_head module must run to be hooked
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    names = [f"h.{config.n_layer // 2}.{n}" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    captured, hooks = {}, []
+    def keep(key, t):
+        captured[key] = t.detach().flatten(0, -2).float()
+    for name in names + ["lm_head"]:
+        m = model.get_submodule(name)
+        hooks.append(m.register_forward_hook(lambda m, i, o, n=name: keep(f"{n} input", i[0])))
+        hooks.append(m.register_full_backward_hook(lambda m, gi, go, n=name: keep(f"{n} output grad", go[0])))
+    tokens = load_tokens()[: B * T + 1].to(device)
+    with autocast(device, dtype):
+        _, loss = model(tokens[:-1].view(B, T), tokens[1:].view(B, T))
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    return captured
+
+
+def fp8_error_rows(tensors):
+    """Table rows, and {tensor: {(format, row-wise?): fp8_round_trip}} for the takeaway."""
+    rows, found = [], {}
+    for name, t in tensors.items():
+        amax = t.abs().amax(dim=-1).clamp(min=1e-30)
+        r = found[name] = {(f, rw): fp8_round_trip(t, dtype, rw) for f, dtype in FP8.items() for rw in (False, True)}
+        rows.append([name, "x".join(map(str, t.shape)), f"{torch.log2(amax.max() / amax.min()).item():.1f}"]
+                    + [f"{100 * r[f, False][i]:.2f} / {100 * r[f, True][i]:.2f}" for i in (0, 1) for f in FP8])
+    return rows, found
+
+
+def gemm_variants(M, K, N, device):
+    """x @ w^T at one Linear's shape: bf16; FP8 with operands cast beforehand (one scale per
+    tensor, or per row); FP8 with both casts each call, as separate (eager) kernels."""
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=device, dtype=torch.bfloat16)
+    (x8, xi), (w8, wi) = to_fp8(x, E4M3), to_fp8(w, E4M3)
+    (xr, xri), (wr, wri) = to_fp8_rowwise(x, E4M3), to_fp8_rowwise(w, E4M3)
+
+    def cast_and_mm():
+        (a, ai), (b, bi) = to_fp8(x, E4M3), to_fp8(w, E4M3)
+        return fp8_mm(a, ai, b.t(), bi)
+    return {"bf16": lambda: x @ w.t(),
+            "fp8 tensorwise": lambda: fp8_mm(x8, xi, w8.t(), wi),  # w8.t(): (K, N) column-major
+            "fp8 row-wise": lambda: torch._scaled_mm(xr, wr.t(), scale_a=xri, scale_b=wri.reshape(1, -1),
+                                                     out_dtype=torch.bfloat16),
+            "fp8 + both casts": cast_and_mm}
+
+
+def layer_variants(name, K, N, M, device):
+    """Forward and backward of one Linear, compiled (the casts fuse into neighbouring kernels),
+    as nn.Linear under bf16 autocast and as gpt.Fp8Linear with the same weights."""
+    torch.manual_seed(0)
+    bf16 = nn.Linear(K, N, bias=name != "lm_head", device=device)
+    fp8 = nn.Linear(K, N, bias=name != "lm_head", device=device)
+    fp8.load_state_dict(bf16.state_dict())
+    fp8.__class__ = Fp8Linear  # what gpt.use_fp8 does to each chosen layer
+    x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+
+    def fwd_bwd(layer, run):
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        with autocast(device, torch.bfloat16):
+            y = run(x)
+        y.backward(dy)
+    runs = {"nn.Linear bf16": (bf16, compile_model(bf16)), "Fp8Linear": (fp8, compile_model(fp8))}
+    return {k: lambda layer=layer, run=run: fwd_bwd(layer, run) for k, (layer, run) in runs.items()}
+
+
+def section_fp8(args, device):
+    print_table(FORMAT_HEADERS, [row for row in formats_table() if row[0].startswith("fp8")])
+    cuda = device.type == "cuda"
+    B, T = (args.batch, args.seq) if cuda else (1, min(args.seq, 128))
+    rows, found = fp8_error_rows(capture_linear_tensors(args.model, B, T, device, torch.bfloat16 if cuda else None))
+    print(f"\nreal tensors ({args.model} at initialisation, B={B} T={T} of input.txt"
+          f"{', bf16 autocast' if cuda else ''}), each cell tensorwise / row-wise scaling")
+    print_table(["tensor", "shape", "row amax spread (binades)", "e4m3 error (%)", "e5m2 error (%)",
+                 "e4m3 below smallest normal (%)", "e5m2 below smallest normal (%)"], rows)
+    median = {f: sorted(r[f, False][0] for r in found.values())[len(found) // 2] for f in FP8}
+    worst = max((n for n in found if "grad" in n), key=lambda n: found[n]["e4m3", False][1])
+    low = {k: f"{100 * found[worst][k][1]:.1f}%" for k in found[worst]}
+    print(f"takeaway: e4m3's extra mantissa bit halves the error (median {100 * median['e4m3']:.2f}% vs e5m2 "
+          f"{100 * median['e5m2']:.2f}%), but gradients span more binades: {low['e4m3', False]} of {worst} falls "
+          f"below e4m3's smallest normal with one scale per tensor ({low['e4m3', True]} row-wise), "
+          f"{low['e5m2', False]} in e5m2; the error norm hides it, the large values dominate it.")
+    if not fp8_supported(device):
+        print("GEMM speed and the per-layer table need FP8 tensor cores: run on an H100/H200.")
+        return
+    gemm_rows, layer_rows, gains = [], [], []
+    torch._dynamo.config.automatic_dynamic_shapes = False  # one graph per layer shape, each kept:
+    torch._dynamo.config.recompile_limit = max(16, torch._dynamo.config.recompile_limit)
+    for name, K, N in FP8_SHAPES:
+        stats = compare(gemm_variants(FP8_TOKENS, K, N, device), device, "bf16", args.rounds, args.steps)
+        gemm_rows += [[name, f"{FP8_TOKENS}x{K}x{N}", variant, t.ms(3),
+                       f"{2 * FP8_TOKENS * K * N / t.median / 1e9:.0f}", t.vs()] for variant, t in stats.items()]
+        print(f"  {name}: compiling nn.Linear and Fp8Linear...", flush=True)
+        stats = compare(layer_variants(name, K, N, FP8_TOKENS, device), device, "nn.Linear bf16", args.rounds,
+                        args.steps)
+        ref, t = stats["nn.Linear bf16"], stats["Fp8Linear"]
+        gains += [name] if t.ratio_high < 1 else []
+        layer_rows.append([name, ref.ms(3), t.ms(3), t.vs(), "yes" if t.ratio_high < 1 else "no"])
+        free_memory()
+    print(f"\nGEMMs x @ w^T, {FP8_TOKENS} tokens, bf16 out, {args.rounds} rounds of {args.steps}")
+    print_table(["layer", "M x K x N", "GEMM", "ms, median (min-max)", "TFLOP/s", "time vs bf16 (paired)"], gemm_rows)
+    print(f"\none Linear, forward + backward (3 GEMMs), compiled, {FP8_TOKENS} tokens, "
+          f"{args.rounds} rounds of {args.steps}")
+    print_table(["layer", "nn.Linear bf16, ms", "Fp8Linear, ms", "time vs bf16 (paired)", "FP8 faster every round"],
+                layer_rows)
+    same = "as in" if set(gains) == set(FP8_LAYERS) else "unlike"
+    print(f"takeaway: FP8 is faster in every round at {', '.join(gains) or 'no layer'}, {same} gpt.FP8_LAYERS "
+          f"{FP8_LAYERS}; the bare FP8 GEMM is the ceiling, the casts are what it must beat.")
 
 
 # --- main
 
 
-def parse_only(text):
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [n for n in names if n not in SECTIONS]
-    if unknown or not names:
-        raise ValueError(f"unknown section '{','.join(unknown) or text}'; choose from {', '.join(SECTIONS)}")
-    return names
-
-
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma list of sections")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    parser.add_argument("--model", default="gpt2", help="model of the TF32 training step (section 5)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument("--model", default="gpt2", help="model of the TF32 step (5) and the FP8 tensors (8)")
     parser.add_argument("--models", default="tiny,gpt2", help="comma list of models for section 7")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (sections 5-7)")
-    args = parser.parse_args()
+    parser.add_argument("--seq", type=int, help="context (default 1024; capped at each model's block size)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per variant per round (sections 5-8)")
+    parser.add_argument("--rounds", type=int, help="timed rounds (default 10; CPU 3)")
+    args = parser.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    if not only or any(n not in SECTIONS for n in only):
+        fail(f"unknown section '{','.join(n for n in only if n not in SECTIONS) or args.only}'; "
+             f"choose from {', '.join(SECTIONS)}")
     try:
-        only = parse_only(args.only)
         device = resolve_device(args.device)
         args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-        for name in [args.model, *args.models]:
-            make_config(name)
+        configs = [make_config(name) for name in [args.model, *args.models]]
     except ValueError as e:
         fail(str(e))
-    if args.batch < 1 or args.seq < 1 or args.steps < 1:
-        fail("--batch, --seq and --steps must be positive")
-    if device.type == "cuda":
-        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    else:
-        print(f"device: cpu, torch {torch.__version__}: small sizes, seconds-long; "
-              f"{', '.join(CUDA_ONLY)} and the TF32 parts need CUDA")
+    longest = max(c.block_size for c in configs)
+    args.seq = args.seq or min(1024, longest)
+    for flag, value, low, high in (("--batch", args.batch, 1, 4096), ("--seq", args.seq, 1, longest),
+                                   ("--steps", args.steps, 1, 1000), ("--rounds", args.rounds, 1, 1000)):
+        if value is not None and not low <= value <= high:
+            fail(f"{flag} must be between {low} and {high}, got {value}")
+    args.rounds = args.rounds or (10 if device.type == "cuda" else 3)
+    print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}" if device.type == "cuda" else
+          f"device: cpu, torch {torch.__version__}: small sizes, seconds-long; {', '.join(CUDA_ONLY)}, "
+          "the TF32 parts and FP8 speed need CUDA")
     ran, skipped = [], []
     for i, name in enumerate(SECTIONS, 1):
         if name not in only:
@@ -566,7 +615,12 @@ def main():
             print("skipped: needs CUDA")
             skipped.append(name)
             continue
-        globals()[f"section_{name}"](args, device)
+        try:
+            globals()[f"section_{name}"](args, device)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_oom(e):
+                raise
+            fail(f"out of GPU memory in section {name}; try a smaller --batch or --seq")
         synchronize(device)
         ran.append(name)
     print(f"\nprecision.py on {device.type}: ran {', '.join(ran) or 'nothing'}"

@@ -517,221 +517,266 @@ def test_bench_attention_oom_row_then_next_runs():
     assert "first naive OOM, worked through" in out, out
 
 
-# --- 4. precision.py: IEEE accumulation, autocast capture, LayerNorm overflow
+# --- 4. precision.py: IEEE accumulation, autocast capture, LayerNorm overflow, FP8 scaling
 
 def test_precision_cpu_sections_run():
-    # default sections (every one the machine supports); small models keep a GPU run short
-    proc = run("precision.py", "--model", "tiny", "--models", "tiny", "--steps", "2")
-    out = proc.stdout
-    for n, name in enumerate(("formats", "accumulate", "autocast", "layernorm", "tf32"), 1):
+    code, out, err = call_main("precision.py", "--device", "cpu", "--model", "tiny", "--steps", 2, "--rounds", 2)
+    assert code == 0 and "Traceback" not in err, err
+    for n, name in enumerate(("formats", "accumulate", "autocast", "layernorm", "tf32", "gradscaler", "mixed",
+                              "fp8"), 1):
         assert f"== {n}. {name}" in out, out
-    assert out.count("takeaway") >= 5, out
-    if not HAS_CUDA:
-        assert out.count("skipped: needs CUDA") == 2, out
-        assert "n/a (TF32 is CUDA-only)" in out, out
-    assert "Traceback" not in proc.stderr, proc.stderr
+    assert out.count("takeaway") == 6 and out.count("skipped: needs CUDA") == 2, out
+    assert "n/a (TF32 is CUDA-only)" in out and "need FP8 tensor cores" in out, out
 
 
 def test_precision_accumulate_matches_ieee():
     import numpy as np
     from precision import accumulate, ulp
 
-    # fp16 accumulator: every step rounds to the nearest float16, exactly as numpy's float16 does
+    def ieee_sum(acc_type, addend, n):  # numpy rounds each addition to acc_type, as IEEE does
+        acc = acc_type(0)
+        for _ in range(n):
+            acc = acc_type(acc + addend)
+        return float(acc)
+    fp16_sum = ieee_sum(np.float16, np.float16(0.01), 1000)
     r = accumulate(0.01, 1000, torch.float16)
-    acc, x = np.float16(0), np.float16(0.01)
-    for _ in range(1000):
-        acc = np.float16(acc + x)
-    assert r["total"] == float(acc) and r["total"] != 10.0, (r, acc)
-    # fp32 accumulator fed fp16 addends: fp32 sums of the rounded addend, in either cast style
-    acc32 = np.float32(0)
-    for _ in range(1000):
-        acc32 = np.float32(acc32 + np.float32(x))
+    assert r["total"] == fp16_sum != 10.0, r
+    # fp32 sum of fp16 addends: fp32 sums of the rounded addend, in either cast style; but a
+    # 1-element slice outranks the 0-dim fp32 sum in type promotion and the sum becomes fp16
     for cast in ("implicit", "explicit"):
         r = accumulate(0.01, 1000, torch.float32, torch.float16, cast)
-        assert r["dtype"] == torch.float32 and r["total"] == float(acc32), (cast, r, acc32)
-    # a 1-element slice outranks the 0-dim fp32 sum in type promotion: the sum becomes fp16
+        assert r["dtype"] == torch.float32 and r["total"] == ieee_sum(np.float32, np.float16(0.01), 1000), r
     r = accumulate(0.01, 1000, torch.float32, torch.float16, "slice")
-    assert r["dtype"] == torch.float16 and r["total"] == float(acc)
+    assert r["dtype"] == torch.float16 and r["total"] == fp16_sum
     # 0.001 x 10000 in fp16 stalls, and at the stall the addend is at most half an ulp
     r = accumulate(0.001, 10000, torch.float16)
-    acc = np.float16(0)
-    for _ in range(10000):
-        acc = np.float16(acc + np.float16(0.001))
-    assert r["total"] == float(acc) and r["stall_step"] is not None
+    assert r["total"] == ieee_sum(np.float16, np.float16(0.001), 10000) and r["stall_step"] is not None
     assert float(np.float16(0.001)) <= ulp(r["stall_value"], torch.float16) / 2
-    assert float(np.spacing(acc)) == ulp(r["stall_value"], torch.float16)
+    assert float(np.spacing(np.float16(r["total"]))) == ulp(r["stall_value"], torch.float16)
 
 
-def test_precision_autocast_capture_cpu():
-    from precision import autocast_dtypes
+def test_precision_autocast_capture_and_layernorm_overflow():
+    from precision import autocast_dtypes, layernorm_case
 
     seen = autocast_dtypes(torch.device("cpu"), torch.bfloat16)
-    assert seen["fc1 output"] == torch.bfloat16, seen
-    assert seen["grad of fc1 output"] == torch.bfloat16, seen
-    assert seen["fc1.weight inside context"] == torch.float32, seen
-    assert seen["fc1.weight.grad"] == torch.float32, seen
+    assert seen["fc1 output"] == seen["grad of fc1 output"] == torch.bfloat16, seen
+    assert seen["fc1.weight inside context"] == seen["fc1.weight.grad"] == torch.float32, seen
     assert seen["loss (cross_entropy)"] == torch.float32, seen
-
-
-def test_precision_layernorm_fp16_overflow():
-    from precision import layernorm_case
-
-    big = layernorm_case(0.0, 1000.0)
-    assert big["fp16_overflow"] and not big["bf16_overflow"], big
-    assert big["max_x2"] > 65504
-    small = layernorm_case(0.0, 1.0)
+    big, small = layernorm_case(0.0, 1000.0), layernorm_case(0.0, 1.0)
+    assert big["fp16_overflow"] and not big["bf16_overflow"] and big["max_x2"] > 65504, big
     assert not small["fp16_overflow"] and small["fp16_err"] < 0.05, small
-    proc = run("precision.py", "--only", "layernorm")
-    assert "overflow" in proc.stdout.split("fp16 x^2 > 65504")[1], proc.stdout
 
 
-def test_precision_bad_only():
-    assert_bad_input("precision.py", "--only", "nosuch", says="unknown section 'nosuch'")
-    assert_bad_input("precision.py", "--only", "formats,nosuch", says="choose from")
+def test_precision_fp8_scaling_errors():
+    from precision import capture_linear_tensors, fp8_round_trip
+
+    E4M3 = gpt.E4M3
+    values = torch.arange(256, dtype=torch.uint8).view(E4M3).float()
+    values = values[values.isfinite()]  # every finite e4m3 number; the largest, 448, makes the scale 1
+    assert values.abs().max() == 448 and fp8_round_trip(values, E4M3)[0] == 0
+    # rows of representable values times powers of two: a scale per row is exact, one per tensor
+    # pushes the small rows below the smallest normal (and loses them)
+    rows = values * 2.0 ** torch.arange(-24, 1, 4.0)[:, None]
+    (tensor_err, tensor_low), (row_err, row_low) = fp8_round_trip(rows, E4M3), fp8_round_trip(rows, E4M3, True)
+    assert row_err == 0 and 0 < tensor_err and row_low < tensor_low, (tensor_err, row_err, tensor_low, row_low)
+    # against the computation written out
+    t = torch.randn(64, 96) * torch.logspace(-3, 3, 64)[:, None]
+    s = 448 / t.abs().max()
+    direct = ((t * s).to(E4M3).float() / s - t).norm() / t.norm()
+    assert abs(fp8_round_trip(t, E4M3)[0] - direct.item()) < 1e-6 * direct.item()
+    assert fp8_round_trip(t, E4M3, True)[0] <= fp8_round_trip(t, E4M3)[0]
+    # real tensors: the gradient reaching the output layer is (softmax - onehot) / N, rows sum to 0
+    got = capture_linear_tensors("tiny", 1, 16, torch.device("cpu"))
+    assert len(got) == 10 and got["h.2.attn.c_attn output grad"].shape == (16, 384), list(got)
+    assert got["lm_head input"].shape == (16, 128) and got["lm_head output grad"].shape == (16, 50257)
+    assert got["lm_head output grad"].sum(1).abs().max() < 1e-6
+
+
+def test_precision_bad_input():
+    check_bad_inputs([("precision.py", ["--only", "nosuch"], "unknown section 'nosuch'"),
+                      ("precision.py", ["--only", "formats,nosuch"], "choose from"),
+                      ("precision.py", ["--device", "banana"], "not a device"),
+                      ("precision.py", ["--device", "mps"], "not supported"),
+                      ("precision.py", ["--model", "gpt5"], "unknown model"),
+                      ("precision.py", ["--models", "tiny,gpt5"], "unknown model"),
+                      ("precision.py", ["--batch", 0], "--batch must be between"),
+                      ("precision.py", ["--seq", 5000], "--seq must be between"),
+                      ("precision.py", ["--steps", 0], "--steps must be between"),
+                      ("precision.py", ["--rounds", -1], "--rounds must be between"),
+                      ("precision.py", ["--batch", "x"], "invalid int value")])
 
 
 @gpu
 def test_precision_gpu_sections():
-    proc = run("precision.py", "--only", "autocast,tf32,gradscaler", "--model", "tiny", "--batch", "4",
-               "--seq", "256", "--steps", "3")
-    out = proc.stdout
-    assert "autocast fp16 on cuda" in out and "skipped: needs CUDA" not in out, out
-    assert out.count("takeaway") >= 4 and "OOM" not in out, out
-    assert "GradScaler" in out, out
+    code, out, err = call_main("precision.py", "--only", "autocast,tf32,gradscaler,mixed", "--model", "tiny",
+                               "--models", "tiny", "--batch", 4, "--seq", 256, "--steps", 3, "--rounds", 3)
+    assert code == 0 and "autocast fp16 on cuda" in out and "skipped" not in out, out
+    assert out.count("takeaway") >= 5 and "OOM" not in out and "GradScaler" in out, out
 
 
-# --- 5. bench_e2e.py: modes, compare, ladder, profile, OOM
+@gpu
+def test_precision_fp8_gemms_agree_gpu():
+    """Every FP8 GEMM variant (cast beforehand, row-wise, cast each call) against bf16: within
+    e4m3's few-percent rounding; and the round trip gives the CPU's numbers on the GPU."""
+    from precision import fp8_round_trip, gemm_variants
 
-# One thread: on a small shared CPU box, PyTorch's thread pool spinning against other processes
-# makes these tiny steps tens of times slower.
-_BENCH_E2E_ENV = {"OMP_NUM_THREADS": "1"}
-_BENCH_E2E_FAST = ("--steps", 1, "--warmup", 0)
-
-
-def _bench_e2e_table(text, first_header):
-    """The aligned table whose header line starts with first_header, as a list of dicts (cells
-    cut at the positions of the dashes under the header), up to the next blank line."""
-    import re
-
-    lines = text.splitlines()
-    i = next(n for n, line in enumerate(lines) if line.startswith(first_header))
-    spans = [m.span() for m in re.finditer(r"-+", lines[i + 1])]
-    headers = [lines[i][a:b].strip() for a, b in spans]
-    rows = []
-    for line in lines[i + 2:]:
-        if not line.strip():
-            break
-        rows.append(dict(zip(headers, (line[a:b].strip() for a, b in spans))))
-    return rows
+    ops = gemm_variants(256, 128, 512, torch.device("cuda"))
+    ref = ops["bf16"]().float()
+    for name, op in ops.items():
+        assert ((op().float() - ref).norm() / ref.norm()).item() < 0.1, name
+    t = torch.randn(64, 96) * torch.logspace(-3, 3, 64)[:, None]
+    for rowwise in (False, True):
+        assert abs(fp8_round_trip(t.cuda(), gpt.E4M3, rowwise)[0] - fp8_round_trip(t, gpt.E4M3, rowwise)[0]) < 1e-6
 
 
-def test_bench_e2e_modes_compare_and_batch_sweep():
-    out = run("bench_e2e.py", "--model", "tiny", "--mode", "all", "--compare", "flash", "--batch", "1,2",
-              "--seq", 16, *_BENCH_E2E_FAST, env=_BENCH_E2E_ENV).stdout
-    assert out.splitlines()[0].startswith("device: CPU"), out
-    rows = [r for r in _bench_e2e_table(out, "config") if r["config"].startswith("tiny")]
-    assert len(rows) == 2 * 2 * 3, out  # variants x batches x modes
-    assert {r["mode"] for r in rows} == {"forward", "forward-backward", "train"}
-    for r in rows:
-        mean = float(r["ms (mean ± std, 1 steps)"].split("±")[0])
-        # tokens/s must be batch * seq over the mean step time (to the printed rounding)
-        expected = int(r["batch"]) * int(r["seq"]) / (mean / 1e3)
-        assert abs(float(r["tokens/s"].replace(",", "")) - expected) <= 0.01 * expected + 1, r
-        assert r["MFU"] == "n/a" and r["peak alloc (GiB)"] == "n/a", r  # no GPU: not faked
-        if "flash" in r["config"]:
-            assert r["speedup vs first config"].endswith("x") and float(r["speedup vs first config"][:-1]) > 0, r
-        else:
-            assert r["speedup vs first config"] == "1.00x", r
-    assert "speed of the first config" in out.strip().splitlines()[-1]
+# --- 5. bench_e2e.py: ladder, sweep, output GEMMs, profile, bad input
+
+def _bench_e2e_args(**kw):
+    import types
+
+    import bench_e2e
+
+    return types.SimpleNamespace(**{"vocab": [50257], "batch": [1, 2], "seq": [16], "modes": bench_e2e.MODES,
+                                    "tf32": False, "dtype": None, "attn": "sdpa", "compile": False, "rounds": 2,
+                                    "steps": 1, "warmup": 1, **kw})
 
 
-def test_bench_e2e_warmup_study_vocab_and_gemm():
-    out = run("bench_e2e.py", "--d-model", 64, "--layers", 1, "--heads", 2, "--mode", "forward",
-              "--warmup", "0,1", "--vocab", "50257,50304", "--batch", 1, "--seq", 16, "--steps", 2,
-              env=_BENCH_E2E_ENV).stdout
-    rows = _bench_e2e_table(out, "config")
-    rows = [r for r in rows if r["config"].startswith("d64L1")]
-    assert "speedup vs first config" not in rows[0]  # only --compare adds it
-    assert sorted((r["config"].split("V=")[1], r["warm-up"]) for r in rows) == \
-        [("50257", "0"), ("50257", "1"), ("50304", "0"), ("50304", "1")], out
-    assert all(float(r["first ms"]) > 0 and float(r["max ms"]) >= float(r["first ms"]) for r in rows), out
-    gemm = _bench_e2e_table(out, "vocab")
-    by_vocab = {int(r["vocab"]): r for r in gemm}
-    assert {50257, 50304, 50432} <= set(by_vocab), out
-    assert by_vocab[50257]["vs 50257"] == "1.00x"
-    assert by_vocab[50304]["largest 2^k factor"] == "128" and by_vocab[50257]["largest 2^k factor"] == "1"
+def test_bench_e2e_ladder_cpu():
+    png = os.path.join(tempfile.mkdtemp(), "ladder.png")
+    code, out, err = call_main("bench_e2e.py", "--device", "cpu", "--ladder", "--batch", 1, "--seq", 16, "--rounds", 2,
+                               "--plot", png)
+    assert code == 0, err
+    import bench_e2e
+
+    lines = {name: next(line for line in out.splitlines() if line.startswith(name)) for name, _ in bench_e2e.LADDER}
+    skipped = [name for name, line in lines.items() if "skipped" in line]
+    assert skipped == ["+ TF32 matmuls", "+ torch.compile (PDL)", "+ CUDA graphs", "+ fused linear-CE",
+                       "+ FP8 matmuls"], out  # TF32 and every compiled rung need the GPU; four are timed
+    timed = [line for name, line in lines.items() if name not in skipped]
+    assert all(line.count("x (") == 2 for line in timed[1:]), out  # paired speed-ups vs previous and vs first
+    assert out.strip().splitlines()[-1].startswith("ladder:") and f"wrote the ladder plot to {png}" in out
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_e2e_profile_and_trace():
+def test_bench_e2e_ladder_rungs_train_the_same_model():
+    """Same seed, same batch: every rung that runs here starts from the same loss."""
+    import bench_e2e
+
+    cpu = torch.device("cpu")
+    config, (x, y) = gpt.make_config("tiny"), bench_e2e.batch_of(2, 16, cpu)
+    losses = {name: bench_e2e.run_step("train", bench_e2e.build(config, s, cpu), x, y).item()
+              for name, change, s in bench_e2e.rungs() if bench_e2e.skip_reason(change, s, cpu) is None}
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses.values()), losses
+    first = losses["fp32, naive attention, vocab 50257"]
+    assert all(abs(v - first) < 0.02 * first for v in losses.values()), losses
+
+
+def test_bench_e2e_sweep_numbers():
+    import bench_e2e
+
+    args = _bench_e2e_args()
+    [(name, times, stats)] = bench_e2e.run_sweep(args, [("tiny", gpt.make_config("tiny"))], torch.device("cpu"))
+    assert len(times) == 2 * 3 and all(len(t) == 2 for t in times.values()), times  # batches x modes
+    assert all(t.low <= t.median <= t.high and t.peak is None for t in stats.values())
+    a, b = (50257, 2, 16, "train"), (50257, 1, 16, "train")
+    ratios = sorted(2 * tb / ta for ta, tb in zip(times[a], times[b]))  # tokens/s ratio, per round
+    mid = (ratios[0] + ratios[1]) / 2
+    assert bench_e2e.speedup(times, a, b, 2.0) == f"{mid:.3f}x ({ratios[0]:.3f}-{ratios[1]:.3f})"
+    f, fb, tr = (times[(50257, 1, 16, m)] for m in bench_e2e.MODES)
+    split = bench_e2e.step_split(times, 50257, 1, 16)
+    assert split[1].startswith(f"{(fb[0] - f[0] + fb[1] - f[1]) / 2:.2f} (")  # paired: per-round differences
+    assert split[3] == f"{(tr[0] + tr[1]) / 2:.2f}"
+
+
+def test_bench_e2e_cpu_run_gemms_profile_trace():
     trace = os.path.join(tempfile.mkdtemp(), "step.json")
-    out = run("bench_e2e.py", "--model", "tiny", "--mode", "forward", "--attn", "naive", "--profile",
-              "--trace", trace, "--batch", 1, "--seq", 16, *_BENCH_E2E_FAST, env=_BENCH_E2E_ENV).stdout
-    assert "CPU time" in out  # says that on a CPU the profile is of CPU ops, not GPU kernels
-    for title in ("forward CPU ops", "train step CPU ops"):
-        ops = _bench_e2e_table(out[out.index(title):], "name")
-        assert len(ops) == 10 and all(r["name"] and r["calls/step"] for r in ops), out
-        shares = [float(r["share"][:-1]) for r in ops]
-        assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 100.5, out
-    assert any(r["name"] in ("aten::mm", "aten::addmm") for r in _bench_e2e_table(out, "name")), out
-    cats = {r["category"]: r for r in _bench_e2e_table(out, "category")}
-    assert {"matmul", "optimizer", "elementwise+norm"} <= set(cats), out
-    assert cats["optimizer"]["forward ms/step"] == "0.000"  # no AdamW in a forward pass
-    assert abs(sum(float(r["train step share"][:-1]) for r in cats.values()) - 100) < 0.5, out
-    stages = _bench_e2e_table(out, "stage")
-    assert [r["stage"] for r in stages] == ["attention scores", "softmax", "final matmul"], out
-    assert float(stages[1]["FLOP share"][:-1]) < float(stages[2]["FLOP share"][:-1])
+    code, out, err = call_main("bench_e2e.py", "--device", "cpu", "--batch", 1, "--seq", 16, "--vocab", "50257,50304",
+                               "--attn", "naive", "--trace", trace, "--rounds", 1)
+    assert code == 0 and out.startswith("device: CPU"), err
+    for title in ("sweep,", "where a train step's time goes", "output-layer GEMMs alone", "forward CPU ops",
+                  "time by category", "naive attention, forward"):
+        assert title in out, title
+    assert out.strip().splitlines()[-1].startswith("best train throughput"), out
     import json
+
+    import bench_e2e
 
     with open(trace) as f:
         assert json.load(f)["traceEvents"]
+    assert bench_e2e.starts_with(b"{")(trace)  # ours: the next run may overwrite it
 
 
-def test_bench_e2e_ladder_cpu_form():
-    out = run("bench_e2e.py", "--ladder", "--batch", 1, "--seq", 16, *_BENCH_E2E_FAST, env=_BENCH_E2E_ENV).stdout
-    rungs = _bench_e2e_table(out, "rung")
-    assert [r["rung (train step, B=1 T=16)"].split(",")[0] for r in rungs] == [
-        "fp32", "+ TF32 matmuls", "+ bf16 autocast", "+ SDPA flash attention", "+ vocab 50304",
-        "+ torch.compile"], out
-    timed = [r for r in rungs if not r["ms/step (mean ± std, 1 steps)"].startswith("skipped")]
-    skipped = [r for r in rungs if r not in timed]
-    assert len(timed) == 4 and len(skipped) == 2, out  # TF32 and compile need CUDA here
-    assert all(r["tokens/s"] == "-" for r in skipped)
-    assert timed[0]["vs fp32"] == "1.00x" and timed[0]["vs previous"] == "-"
-    assert all(float(r["vs fp32"][:-1]) > 0 for r in timed)
-    assert out.strip().splitlines()[-1].startswith("ladder:")
+def test_bench_e2e_profile_categories():
+    import bench_e2e
+
+    cpu = torch.device("cpu")
+    bench = bench_e2e.build(gpt.make_config("tiny"), {**bench_e2e.FIRST_RUNG, "attn": "naive"}, cpu)
+    profs = bench_e2e.profile_steps(bench, 1, 16, cpu, warmup=1, steps=1)
+    fwd, step = (bench_e2e.category_times(profs[m], False) for m in ("forward", "train"))
+    assert {"matmul", "optimizer", "elementwise+norm"} <= set(step) and "optimizer" not in fwd, (fwd, step)
+    stages = bench_e2e.naive_attention_rows(profs["forward"], bench["config"], 1, 16, 1, False)
+    assert [r[0] for r in stages] == list(bench_e2e.NAIVE_RANGES)
+    assert float(stages[1][4][:-1]) < float(stages[2][4][:-1])  # the softmax's FLOP share is the smaller
 
 
 def test_bench_e2e_bad_input():
-    assert_bad_input("bench_e2e.py", "--model", "huge", says="unknown model")
-    assert_bad_input("bench_e2e.py", "--model", "tiny", "--seq", 1000, says="above the block size")
-    assert_bad_input("bench_e2e.py", "--batch", 0, says="--batch must be at least 1")
+    d = tempfile.mkdtemp()
+    check_bad_inputs([("bench_e2e.py", args, says) for args, says in (
+        (["--model", "huge"], "unknown model"),
+        (["--model", "tiny", "--seq", 1000], "--seq must be at least 1 and at most 256"),
+        (["--batch", 0], "--batch must be at least 1"),
+        (["--batch", "2,x"], "integers separated by commas"),
+        (["--vocab", 50000], "--vocab must be at least 50257"),
+        (["--rounds", 0], "--rounds must be at least 1"),
+        (["--steps", 0], "--steps must be at least 1"),
+        (["--warmup", 0], "--warmup must be at least 1"),
+        (["--mode", "backward"], "invalid choice"),
+        (["--bf16", "--fp16"], "exclusive"),
+        (["--device", "cpu", "--fp16"], "needs a CUDA GPU"),
+        (["--device", "cpu", "--attn", "triton"], "needs a CUDA GPU"),
+        (["--device", "banana"], "not a device"),
+        (["--device", "cuda:7"], "--device cuda:7"),
+        (["--trace", os.path.join(d, "missing", "t.json")], "does not exist"),
+        (["--trace", d], "is a directory"),
+        (["--trace", os.path.join(HERE, "input.txt")], "refusing to overwrite"),
+        (["--plot", os.path.join(d, "p.png")], "add --ladder"),
+        (["--ladder", "--plot", os.path.join(d, "missing", "p.png")], "does not exist"),
+        (["--ladder", "--batch", "1,2"], "one --batch"),
+        (["--ladder", "--bf16"], "sets precision"))])
 
 
 @gpu
-def test_bench_e2e_gpu_sweep():
-    out = run("bench_e2e.py", "--model", "tiny", "--batch", "4,8", "--seq", 128, "--compare", "bf16",
-              "--steps", 3, "--warmup", 1).stdout
-    rows = [r for r in _bench_e2e_table(out, "config") if r["config"].startswith("tiny")]
-    assert len(rows) == 2 * 2 * 3, out
-    for r in rows:
-        assert r["MFU"].endswith("%") and float(r["peak alloc (GiB)"]) > 0, r
-    peak = {(r["config"], r["batch"], r["mode"]): float(r["peak alloc (GiB)"]) for r in rows}
-    for config, batch, mode in peak:
-        # backward starts with every saved activation plus the logits' gradient alive, and a
-        # train step adds AdamW's state: peaks grow with the mode and with the batch
-        assert peak[(config, batch, "train")] >= peak[(config, batch, "forward-backward")] > peak[(config, batch, "forward")], out
-        assert peak[(config, "8", mode)] > peak[(config, "4", mode)], out
+def test_bench_e2e_gpu_ladder_rungs_agree():
+    """Every rung, compiled, graphed, fused and FP8 ones included, starts from the same loss."""
+    import bench_e2e
+
+    cuda = torch.device("cuda")
+    torch._dynamo.reset()
+    config, (x, y) = gpt.make_config("tiny"), bench_e2e.batch_of(4, 128, cuda)
+    losses = {name: bench_e2e.run_step("train", bench_e2e.build(config, s, cuda), x, y).item()
+              for name, change, s in bench_e2e.rungs() if bench_e2e.skip_reason(change, s, cuda) is None}
+    gpt.set_tf32(False)
+    assert len(losses) == len(bench_e2e.LADDER) - (0 if gpt.fp8_supported(cuda) else 1), losses
+    first = losses["fp32, naive attention, vocab 50257"]
+    assert all(abs(v - first) < 0.02 * first for v in losses.values()), losses
 
 
 @gpu
-def test_bench_e2e_gpu_oom_row_then_next_runs():
-    # B=256 T=256 needs ~13 GiB for the fp32 logits alone; 5% of an 80 GiB GPU is 4 GiB
-    out = run("bench_e2e.py", "--model", "tiny", "--mode", "forward", "--batch", "256,2", "--seq", 256,
-              "--memory-fraction", 0.05, "--steps", 2, "--warmup", 1).stdout
-    rows = {r["batch"]: r for r in _bench_e2e_table(out, "config") if r["config"].startswith("tiny")}
-    assert rows["256"]["ms (mean ± std, 2 steps)"] == "OOM", out
-    assert float(rows["2"]["ms (mean ± std, 2 steps)"].split("±")[0]) > 0, out
-    assert "1 OOM" in out.strip().splitlines()[-1]
+def test_bench_e2e_gpu_peaks_and_oom():
+    import bench_e2e
+
+    cuda = torch.device("cuda")
+    args = _bench_e2e_args(batch=[4, 8, 16384], seq=[256])  # 4M tokens' activations cannot fit: OOM cells
+    [(_, times, stats)] = bench_e2e.run_sweep(args, [("tiny", gpt.make_config("tiny"))], cuda)
+    peak = {(b, m): stats[(50257, b, 256, m)].peak for b in (4, 8) for m in bench_e2e.MODES}
+    for b in (4, 8):  # backward keeps every saved activation alive, a train step adds AdamW's state
+        assert peak[(b, "train")] >= peak[(b, "forward-backward")] > peak[(b, "forward")] > 0, peak
+    assert all(peak[(8, m)] > peak[(4, m)] for m in bench_e2e.MODES), peak
+    assert all(stats[(50257, 16384, 256, m)] is None for m in bench_e2e.MODES)
+    # out of memory outside a sweep cell (the profiled configuration): one line, exit 2
+    assert_bad_input("bench_e2e.py", "--model", "tiny", "--batch", 16384, "--seq", 256, "--mode", "forward",
+                     "--rounds", 1, "--profile", says="out of GPU memory in the profiled configuration")
 
 
 # --- 6. memory.py: accounting, residuals, checkpointing, max batch, parallel
