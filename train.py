@@ -52,8 +52,8 @@ def shard(model, bf16):
     """FSDP2: each block's parameters become DTensors split across the ranks (1/world of every
     tensor each). A block's forward all-gathers its weights and frees the gathered copy after it
     (again in backward), and its gradients are reduce-scattered to shards as backward leaves it:
-    only one block is ever whole, and sharding block by block lets block i+1's all-gather overlap
-    block i's compute. The last call takes what is left (embeddings, final LayerNorm, the tied
+    only a block or two are ever whole, and sharding block by block lets block i+1's all-gather
+    overlap block i's compute. The last call takes what is left (embeddings, final LayerNorm, the tied
     output layer). With --bf16 the gathered copies are bf16 (half the bytes to move, no cast per
     matmul) while the shards the optimizer updates stay fp32 and gradients are summed in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
