@@ -1,104 +1,325 @@
 """Train GPT-2 on Tiny Shakespeare, as fast as one GPU (or several) allows.
 
-Each flag is one of the speed-ups the other scripts measure: --tf32 (fp32 matmuls on the tensor
-cores), --bf16 / --fp16 (autocast mixed precision; fp16 needs a GradScaler), --attn (naive, SDPA or
-its backends, our Triton kernel), --vocab 50304 (a tensor-core-friendly vocabulary) and --compile
-(torch.compile fuses the elementwise work between the matmuls; on one GPU it also replays the
-forward and backward as CUDA graphs: compile_model). Multi-GPU: torchrun. The loop itself
-never makes the GPU wait: a step's loss is read back while the GPU runs the next one (StepLog).
+Each flag is one of the speed-ups the other scripts measure: --tf32, --bf16 / --fp16 (autocast;
+fp16 needs a GradScaler), --attn, --vocab 50304 (a tensor-core-friendly vocabulary), --compile
+(torch.compile; on one GPU also CUDA graphs), --fp8 (FP8 matmuls on H100/H200), and the output
+layer fused with the loss so the [tokens, vocab] logits never exist (on by default; --no-fused-ce
+turns it off). The loop never makes the GPU wait: a step's loss is read back while the GPU runs
+the next one (StepLog). Several GPUs: torchrun, with DDP (every GPU holds the whole model) or
+--fsdp (PyTorch's FSDP2: weights, gradients and optimizer state sharded across the GPUs, each
+block's weights gathered just before use); --recompute K stores only every K-th block's input and
+recomputes its activations in backward, so larger models fit.
 
     python train.py --vocab 50304 --bf16 --compile                 # the headline run
-    python train.py --vocab 50304 --bf16 --compile --sample 200    # and print a sample
+    python train.py --vocab 50304 --bf16 --compile --fp8           # FP8 matmuls (H100/H200)
     torchrun --nproc_per_node=2 train.py --vocab 50304 --bf16 --compile
+    torchrun --nproc_per_node=2 train.py --model 2.7B --fsdp --bf16 --compile --recompute 2
     python train.py --steps 40 --ckpt run.pt --stop-after 20; python train.py --steps 40 --ckpt run.pt --resume
 
-On a machine without CUDA the same command trains the `tiny` preset on a short context.
-Excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-22; `--vocab 50304 --bf16 --compile`, defaults otherwise):
+The summary line gives the median step time, tokens/s, MFU (model FLOPs only: recomputation is not
+counted, as PaLM defines it), the peak memory that tensors took on rank 0's GPU during training
+steps (evaluation excluded; not the allocator's reserve) and, with --recompute, the FLOPs the
+recomputed forwards add to a step: the time they cost if they run at the model's rate. What
+recomputing saves is the drop in peak memory against a run without the flag. Ctrl-C (or SIGTERM)
+finishes the step, writes the --ckpt checkpoint and prints how to resume; exit status 130 (143).
+Without CUDA the same command trains the `tiny` preset on a short context.
 
-    step   198 | loss 5.0827 | lr 6.02e-05 | norm 0.736 | dt    35.7 ms |    458,926 tok/s | MFU 39.7% | mem 9.95 GiB
-    step   199 | loss 4.7906 | lr 6.00e-05 | norm 0.911 | dt    35.6 ms |    460,022 tok/s | MFU 39.8% | mem 9.95 GiB
-    step   199 | val loss 5.6711
-    summary: median step 35.5 ms over steps 10-199 | 461,734 tok/s | MFU 39.9% | peak mem 9.95 GiB
+(excerpt to be refreshed from the next GPU run)
 """
 
 import argparse
 import math
 import os
+import shlex
+import signal
 import statistics
-import time
+import sys
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpt import (GPT, GPT2_VOCAB, amp_dtype, autocast, configure_optimizer, fail, flops_per_token,
-                 gpt2_tokenizer, load_tokens, make_config, mfu, resolve_device, set_tf32)
+from gpt import (GPT, GPT2_VOCAB, amp_dtype, autocast, check_output_path, clock, compile_model, configure_optimizer,
+                 elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported, gib, gpt2_tokenizer, is_oom, load_tokens,
+                 make_config, mfu, print_table, resolve_device, set_tf32, use_fp8)
 
-# --- 1. command line
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description="Train GPT-2 on Tiny Shakespeare.")
-    p.add_argument("--model", help="preset: tiny, gpt2, small, medium, large, xl, 2.7B (default gpt2; tiny on CPU)")
-    p.add_argument("--vocab", type=int, default=GPT2_VOCAB, help="vocabulary size; 50304 pads 50257 to a multiple of 128")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast")
-    p.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler (CUDA only)")
-    p.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--attn", default="sdpa", help="naive, sdpa, flash, cudnn, efficient, math, triton")
-    p.add_argument("--batch", type=int, help="sequences per micro-step per GPU (default 16; 8 on CPU)")
-    p.add_argument("--seq", type=int, help="context length (default 1024; 64 on CPU)")
-    p.add_argument("--steps", type=int, help="optimizer steps, the span of the schedule (default 200; 50 on CPU)")
-    p.add_argument("--stop-after", type=int, help="stop after this many steps, as if interrupted")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
-    p.add_argument("--min-lr", type=float, help="final learning rate of the cosine decay (default lr/10)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm (0: off)")
-    p.add_argument("--eval-every", type=int, default=50, help="val loss every N steps (and at the end)")
-    p.add_argument("--eval-steps", type=int, default=10, help="val batches per evaluation (at most all of val)")
-    p.add_argument("--sample", type=int, default=0, metavar="N", help="print N generated tokens at the end")
-    p.add_argument("--ckpt", help="checkpoint path, written at every evaluation and at the end")
-    p.add_argument("--resume", action="store_true", help="continue from --ckpt")
-    p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if present)")
-    p.add_argument("--seed", type=int, default=1337)
-    return p.parse_args()
+# --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
 
 
-def check_args(args, device):
-    """Fill the device-dependent defaults and reject impossible combinations (ValueError)."""
-    on_cpu = device.type == "cpu"
-    defaults = {"model": ("tiny", "gpt2"), "batch": (8, 16), "seq": (64, 1024), "steps": (50, 200)}
-    for name, (cpu_value, gpu_value) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, cpu_value if on_cpu else gpu_value)
-    args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
-    config = make_config(args.model, vocab_size=args.vocab, attn=args.attn)
-    positive = {"--batch": args.batch, "--seq": args.seq, "--steps": args.steps,
-                "--grad-accum": args.grad_accum, "--eval-every": args.eval_every, "--eval-steps": args.eval_steps}
-    for flag, value in positive.items():
-        if value <= 0:
-            raise ValueError(f"{flag} must be positive, got {value}")
-    if args.seq > config.block_size:
-        raise ValueError(f"--seq {args.seq} is above the block size {config.block_size} of '{args.model}'")
-    amp_dtype(args.bf16, args.fp16)  # raises if both
-    if args.fp16 and not device.type == "cuda":
-        raise ValueError("--fp16 needs a CUDA GPU (its GradScaler is CUDA-only here); use --bf16 on the CPU")
-    if on_cpu and args.attn in ("cudnn", "efficient", "triton"):
-        raise ValueError(f"--attn {args.attn} needs a CUDA GPU")
-    if args.resume and not (args.ckpt and os.path.exists(args.ckpt)):
-        raise ValueError(f"--resume needs an existing --ckpt file, and '{args.ckpt}' is not one")
-    return config
+def shard(model, bf16):
+    """FSDP2: each block's parameters become DTensors split across the ranks (1/world of every
+    tensor each). A block's forward all-gathers its weights and frees the gathered copy after it
+    (again in backward), and its gradients are reduce-scattered to shards as backward leaves it:
+    only a block or two are ever whole, and sharding block by block lets block i+1's all-gather
+    overlap block i's compute. The last call takes what is left (embeddings, final LayerNorm, the tied
+    output layer). With --bf16 the gathered copies are bf16 (half the bytes to move, no cast per
+    matmul) while the shards the optimizer updates stay fp32 and gradients are summed in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    for block in model.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
-# --- 2. data: Tiny Shakespeare as GPT-2 tokens, read sequentially so a run can resume exactly
+def wrap(model, args, world, device):
+    """The module the loop calls: compiled (CUDA graphs only on one GPU without accumulation: DDP
+    and FSDP launch their collectives from outside the graphs, see compile_model), then DDP. Under
+    FSDP, torch.compile cannot trace the all-gather hooks around each block: it compiles the block's
+    forward (one graph that all blocks share) and runs the embeddings and the loss eagerly."""
+    if args.compile:
+        model = compile_model(model, cuda_graphs=device.type == "cuda" and world == 1 and args.grad_accum == 1)
+    if world > 1 and not args.fsdp:
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
 
 
-def split_tokens(tokens):
-    n = int(0.9 * len(tokens))
-    return tokens[:n], tokens[n:]
+# --- 2. one optimizer step
+
+
+def train_step(model, optimizer, scaler, batches, lr, dtype, args, world, vote):
+    """One optimizer step over the micro-batches (x, y) with autocast to `dtype`. It only queues
+    GPU work and returns the mean loss, the grad norm and (several processes) the stop votes
+    summed over the ranks, as GPU tensors: nothing here waits."""
+    device, accum = batches[0][0].device, len(batches)
+    loss_sum = torch.zeros((), device=device)
+    for micro, (x, y) in enumerate(batches):
+        # DDP all-reduces gradients in backward: skip it on all but the last micro-step. FSDP
+        # reduce-scatters after every micro-step: waiting would keep whole gradients, not shards.
+        sync = micro == accum - 1 or world == 1 or args.fsdp
+        with nullcontext() if sync else model.no_sync():
+            with autocast(device, dtype):
+                _, loss = model(x, y)
+            scaler.scale(loss / accum).backward()
+        loss_sum += loss.detach() / accum
+    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    norm = clip_gradients(model, optimizer, args.grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if world == 1:
+        return loss_sum, norm, None
+    # one all-reduce averages the loss and counts the ranks asked to stop (StopSignal); queued, not awaited
+    stats = torch.stack([loss_sum, torch.full((), float(vote), device=device)])
+    dist.all_reduce(stats)
+    return stats[0] / world, norm, stats[1]
+
+
+def clip_gradients(model, optimizer, max_norm):
+    """Global gradient norm; gradients scaled down to max_norm if above it (max_norm 0: never).
+    A fused optimizer clips inside its own kernel: it divides each gradient by
+    `optimizer.grad_scale` as it reads it (the hook GradScaler uses to unscale), which saves a
+    read and a write of every gradient, 1 GB per step at 124M parameters. Under FSDP the
+    gradients are DTensor shards: get_total_norm sums the squares across the ranks itself and
+    returns a replicated DTensor, made a plain tensor here for the optimizer."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if max_norm and optimizer.defaults["fused"]:
+        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # as clip_grad_norm_
+    elif max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes the parameters, not grads
+    return norm
+
+
+# --- 3. the loop: a line per step without waiting, and a clean stop on Ctrl-C / SIGTERM
+
+
+class StepLog:
+    """A line per step that never makes the GPU wait for the host.
+
+    `loss.item()` would block until everything queued has run, leaving the GPU idle while the host
+    prints and then queues the next step's first kernels. Instead each step's loss and grad norm
+    are copied to (pinned) host memory without blocking, followed by an event, and step k's line
+    is printed once step k+1 is queued: the host waits for step k alone while the GPU runs k+1.
+    Step times are read off those events, on the GPU's own timeline: from the end of one step to
+    the end of the next, so any time the GPU sat idle waiting for the host is counted."""
+
+    def __init__(self, first_step, tokens_per_step, flops_per_step, device, nan_hint, log):
+        self.first, self.tokens, self.flops, self.device = first_step, tokens_per_step, flops_per_step, device
+        self.nan_hint, self.log = nan_hint, log
+        self.times, self.pending, self.stop_votes, self.peak = [], None, 0, 0
+        self.resume()
+
+    def pause(self):
+        """Before evaluating or saving: wait for the last step, and keep its peak memory."""
+        self.finish()
+        if self.device.type == "cuda":
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+
+    def resume(self):
+        """Time the next step from here, and track its memory afresh: neither the time nor the
+        memory of evaluation (whose [tokens, vocab] logits can outweigh a training step's) counts."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.last_end = clock(self.device)
+
+    def mem(self):
+        """Peak memory allocated by tensors in training steps (not what the allocator reserved)."""
+        if self.device.type != "cuda":
+            return "n/a"
+        return f"{gib(max(self.peak, torch.cuda.max_memory_allocated(self.device)))} GiB"
+
+    def queue(self, step, lr, loss, norm, votes=None):
+        values = torch.stack([loss.float(), norm.float()] + ([] if votes is None else [votes]))
+        values = values.to("cpu", non_blocking=True)
+        end = clock(self.device)  # queued after the copy: once it fires, `values` is on the host
+        previous, self.pending = self.pending, (step, lr, values, self.last_end, end)
+        self.last_end = end
+        if previous is not None:
+            self.print_line(*previous)
+
+    def finish(self):
+        """Wait for the last queued step and print its line."""
+        if self.pending is not None:
+            self.print_line(*self.pending)
+            self.pending = None
+
+    def print_line(self, step, lr, values, start, end):
+        dt = elapsed_ms(start, end) / 1e3  # waits for `end`, and so for `values`
+        self.times.append(dt)
+        loss, norm, *votes = values.tolist()
+        self.stop_votes += sum(votes)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step}; likely cause: {self.nan_hint}")
+        self.log(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f} | dt {dt * 1e3:7.1f} ms | "
+                 f"{self.tokens / dt:10,.0f} tok/s | MFU {fmt_mfu(mfu(self.flops / dt, self.device))} | "
+                 f"mem {self.mem()}")
+
+    def summary(self, extra=""):
+        """Median step time once the first steps (compilation, cuDNN/cuBLAS warm-up) are behind us."""
+        skip = min(10, len(self.times) // 2)
+        median = statistics.median(self.times[skip:])
+        return (f"summary: median step {median * 1e3:.1f} ms over steps {self.first + skip}-"
+                f"{self.first + len(self.times) - 1} | {self.tokens / median:,.0f} tok/s | "
+                f"MFU {fmt_mfu(mfu(self.flops / median, self.device))} | peak mem {self.mem()}{extra}")
+
+
+class StopSignal:
+    """Ctrl-C (SIGINT) and SIGTERM set a flag instead of raising in the middle of a step, so the
+    loop can finish the step, save and say how to resume. Under torchrun every rank must stop
+    after the same step (FSDP's next forward would wait forever for a rank that left, and saving
+    needs them all): each rank's flag rides in the all-reduce that already averages the loss, and
+    StepLog reads the sum with the loss, a step later, so agreeing costs no extra sync. On one
+    process the flag is read directly."""
+
+    def __init__(self):
+        self.signum = None
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, frame):
+        self.signum = self.signum or signum
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def train(args, config, data, state, rank, world, device):
+    log = print if rank == 0 else (lambda *a, **k: None)
+    dtype = amp_dtype(args.bf16, args.fp16)
+    set_tf32(args.tf32)
+    train_tokens, val, eval_plan = data
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+
+    with torch.device(device):  # built where it trains: no host copy of a 2.7B model to initialise and move
+        raw_model = GPT(config)
+    if args.fp8:
+        converted = use_fp8(raw_model)
+        if rank == 0:
+            print_fp8_table(raw_model, converted, config.fused_ce)
+    if args.fsdp:
+        shard(raw_model, args.bf16)  # in place: raw_model is now the sharded model
+    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.fp16)  # fp16 gradients underflow without it
+    step, pos = 0, 0
+    if state is not None:
+        step, pos = apply_checkpoint(state, args.ckpt, raw_model, optimizer, scaler)
+        log(f"resumed from {args.ckpt} at step {step}")
+    model = wrap(raw_model, args, world, device)
+
+    B, T, accum = args.batch, args.seq, args.grad_accum
+    tokens_per_step = B * T * accum * world
+    flops_per_step = flops_per_token(config, T) * tokens_per_step / world  # per GPU
+    log(f"model {args.model}: {raw_model.num_params():,} parameters | {tokens_per_step:,} tokens per step "
+        f"(batch {B} x seq {T} x accum {accum} x {world} process{'es' * (world > 1)}{', FSDP' * args.fsdp})")
+    if eval_plan[0] < B:
+        log(f"the validation split holds {len(val):,} tokens: evaluating {eval_plan[0]} sequences per process")
+    last = min(args.steps, args.stop_after or args.steps)
+    nan_hint = "fp16 overflow without loss scaling" if args.fp16 else f"a learning rate too high (--lr {args.lr})"
+    steps = StepLog(step, tokens_per_step, flops_per_step, device, nan_hint, log)
+    if args.compile:
+        log("compiling... (torch.compile: the first step takes 20-60 s)")
+    stop, stopping = StopSignal(), False
+    try:
+        for step in range(step, last):
+            batches = []
+            for _ in range(accum):
+                batches.append(get_batch(train_tokens, pos + rank * B * T, B, T, device))
+                pos = next_position(pos, B * T * world, len(train_tokens))
+            lr = lr_at(step, args)
+            vote = stop.signum is not None
+            loss, norm, votes = train_step(model, optimizer, scaler, batches, lr, dtype, args, world, vote)
+            steps.queue(step, lr, loss, norm, votes)  # prints the previous step's line while the GPU runs this one
+            at_eval = (step + 1) % args.eval_every == 0 or step + 1 == last
+            # every rank has read the same votes at this point, so all take the same branch
+            stopping = steps.stop_votes > 0 if world > 1 else stop.signum is not None
+            if at_eval or stopping:
+                steps.pause()  # val loss and the checkpoint must see this step's weights
+                if not stopping:
+                    val_mean = val_loss(raw_model, val, eval_plan, args, rank, world, device, dtype)
+                    log(f"step {step:5d} | val loss {val_mean:.4f}")
+                if args.ckpt:
+                    save_checkpoint(args.ckpt, raw_model, optimizer, scaler, step + 1, pos, args, rank, world)
+                steps.resume()
+            if stopping:
+                break
+    finally:
+        stop.restore()
+    if stopping:
+        name = signal.Signals(stop.signum or signal.SIGTERM).name
+        saved = "nothing saved (no --ckpt)" if not args.ckpt else \
+            f"checkpoint {args.ckpt} holds step {step + 1}; resume with: {resume_command(args.argv, world)}"
+        log(f"interrupted ({name}) after step {step}: {saved}")
+        raise SystemExit(128 + (stop.signum or signal.SIGTERM))
+    log(steps.summary(recompute_cost(config, T)))
+    if args.sample and (args.fsdp or rank == 0):  # under FSDP every rank must take part in each forward
+        print_sample(raw_model, args.sample, device, dtype, args.seed, log)
+
+
+def resume_command(argv, world):
+    launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
+    return shlex.join(launcher + ["train.py"] + [a for a in argv if a != "--resume"] + ["--resume"])
+
+
+def recompute_cost(config, T):
+    """' | recompute ...': the blocks recomputed and the forward FLOPs they add to a step, as a
+    share of the step's model FLOPs (a block's forward: 2 per weight, 4*d*T of attention, per token)."""
+    K, L, d = config.recompute, config.n_layer, config.n_embd
+    if not K:
+        return ""
+    n = len(range(0, L, K))
+    extra = n * (2 * (4 * d * d + 2 * d * config.d_ff) + 4 * d * T) / flops_per_token(config, T)
+    return f" | recompute {n}/{L} blocks: +{100 * extra:.0f}% FLOPs (not in MFU)"
+
+
+def print_fp8_table(model, converted, fused_ce):
+    """Which Linear layers run their matmuls in FP8 (those of gpt.FP8_LAYERS) and which stay bf16."""
+    rows = []
+    for role in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "lm_head"):
+        layers = [m for name, m in model.named_modules() if name.endswith(role) and isinstance(m, nn.Linear)]
+        rows.append([role, f"{layers[0].in_features} x {layers[0].out_features}", len(layers),
+                     "FP8 (e4m3; gradients e5m2)" if any(name.endswith(role) for name in converted) else
+                     "bf16" + " (fused with the loss)" * (role == "lm_head" and fused_ce)])
+    print_table(["Linear layer", "in x out", "count", "matmuls in"], rows)
+    print("FP8 where an H100 measured a gain at GPT-2 shapes (precision.py times each layer)")
+
+
+# --- 4. data: Tiny Shakespeare as GPT-2 tokens, read sequentially so a run can resume exactly
 
 
 def get_batch(tokens, pos, B, T, device):
@@ -117,295 +338,280 @@ def next_position(pos, stride, n_tokens):
     return 0 if pos + stride + 1 > n_tokens else pos
 
 
-# --- 3. learning-rate schedule: linear warm-up, then cosine decay to min_lr
-
-
 def lr_at(step, args):
+    """Linear warm-up, then cosine decay to min_lr."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     progress = (step - args.warmup) / max(1, args.steps - args.warmup)
     return args.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - args.min_lr)
 
 
-# --- 4. checkpoints: everything a run needs to continue exactly, written atomically
+# --- 5. checkpoints: one file for one process, DDP and FSDP, written atomically
+# Full (unsharded) state dicts keyed by parameter name, gathered to rank 0's CPU and written by it,
+# rather than torch.distributed.checkpoint (each rank writes its own shards into a folder): one
+# file anyone can torch.load, that resumes on any number of processes with or without FSDP. The
+# price is a gather through rank 0's host memory (2.7B: 11 GB of weights + 22 GB of Adam state),
+# fine at these sizes; sharded writes win when that no longer fits.
+KIND = "nanoperf train.py checkpoint, format 2"
+RUN_FLAGS = {"model": "--model", "vocab": "--vocab", "seq": "--seq", "grad_accum": "--grad-accum",
+             "steps": "--steps", "sequences": "sequences per micro-step (--batch x processes)"}
 
 
-def save_checkpoint(path, model, optimizer, scaler, step, pos, args):
-    state = {
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(), "step": step, "pos": pos,
-        "rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "run": {k: getattr(args, k) for k in ("model", "vocab", "batch", "seq", "grad_accum", "steps")},
-    }
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a crash mid-write leaves the previous checkpoint intact
+def run_fields(args, world):
+    """What must match for a resumed run to continue the same run (the data order and schedule)."""
+    return {"model": args.model, "vocab": args.vocab, "seq": args.seq, "grad_accum": args.grad_accum,
+            "steps": args.steps, "sequences": args.batch * world}
 
 
-def load_checkpoint(path, model, optimizer, scaler, args):
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    for key, saved in state["run"].items():
-        if getattr(args, key) != saved:
-            raise ValueError(f"checkpoint was made with --{key.replace('_', '-')} {saved}, not {getattr(args, key)}")
-    # accept state dicts saved from a compiled or DDP-wrapped model as well
-    weights = {k.replace("_orig_mod.", "").replace("module.", ""): v for k, v in state["model"].items()}
-    model.load_state_dict(weights)
-    optimizer.load_state_dict(state["optimizer"])
+def save_checkpoint(path, model, optimizer, scaler, step, pos, args, rank, world):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    if not (args.fsdp or rank == 0):  # gathering FSDP's shards takes every rank; DDP's ranks hold copies
+        return
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all, the others {}
+    state = {"kind": KIND, "model": get_model_state_dict(model, options=options),
+             "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
+             "scaler": scaler.state_dict(), "step": step, "pos": pos, "run": run_fields(args, world)}
+    if rank != 0:
+        return
+    try:
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a crash mid-write leaves the previous checkpoint intact
+    except OSError as e:
+        raise ValueError(f"could not write the checkpoint {path}: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+
+
+def read_checkpoint(path, args, world):
+    """The checkpoint at `path`, or a ValueError saying in one sentence why it is not one for this run."""
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{path} is an empty file, not a checkpoint")
+    try:  # weights_only: plain tensors and containers, never arbitrary pickled code; mmap: no copy
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise ValueError(f"{path} is not a train.py checkpoint: torch.load cannot read it ({type(e).__name__})") \
+            from None
+    if not (isinstance(state, dict) and state.get("kind") == KIND):
+        weights = isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())
+        what = ("a bare tensor" if isinstance(state, torch.Tensor) else "weights alone (a state_dict)" if weights
+                else f"a {type(state).__name__} of another kind")
+        raise ValueError(f"{path} holds {what}, not a train.py checkpoint")
+    for key, now in run_fields(args, world).items():
+        if state["run"].get(key) != now:
+            raise ValueError(f"{path} was made with {RUN_FLAGS[key]} {state['run'].get(key)}, not {now}")
+    return state
+
+
+def is_checkpoint(path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("kind") == KIND
+    except Exception:
+        return False
+
+
+def apply_checkpoint(state, path, model, optimizer, scaler):
+    """Load the full state into the (possibly sharded) model and optimizer: each rank keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # DTensors report the full shape
+    have = {k: tuple(v.shape) for k, v in state["model"].items()}
+    if have != want:
+        k = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))[0]
+        raise ValueError(f"{path} does not fit this model: {k} is {have.get(k, 'missing')} there, "
+                         f"{want.get(k, 'absent')} here")
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, state["model"], options=options)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     scaler.load_state_dict(state["scaler"])
-    torch.set_rng_state(state["rng"])
-    if state["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
     return state["step"], state["pos"]
 
 
-# --- 5. evaluation and sampling
+# --- 6. evaluation and sampling
 
 
 @torch.no_grad()
-def val_loss(model, val, args, device, dtype):
-    """Mean loss over the first eval_steps batches of the validation split (the same every time)."""
-    n_batches = min(args.eval_steps, (len(val) - 1) // (args.batch * args.seq))
+def val_loss(model, val, plan, args, rank, world, device, dtype):
+    """Mean loss over the first batches of the validation split (the same every time). Each rank
+    takes its own rows of each batch, as in training, and the sums are all-reduced: FSDP needs
+    every rank in every forward anyway, since each one all-gathers the weights from all ranks."""
+    rows, n_batches = plan
     model.eval()
-    losses = []
+    total = torch.zeros((), device=device)
     for i in range(n_batches):
-        x, y = get_batch(val, i * args.batch * args.seq, args.batch, args.seq, device)
+        x, y = get_batch(val, (i * world + rank) * rows * args.seq, rows, args.seq, device)
         with autocast(device, dtype):
-            losses.append(model(x, y)[1].item())
+            total += model(x, y)[1].float()
     model.train()
-    return sum(losses) / len(losses)
+    if world > 1:
+        dist.all_reduce(total)
+    return total.item() / (n_batches * world)
 
 
-def print_sample(model, n_tokens, device, dtype):
+def print_sample(model, n_tokens, device, dtype, seed, log):
     enc = gpt2_tokenizer()
     prompt = torch.tensor([enc.encode_ordinary("\n")], device=device)
-    with autocast(device, dtype):
-        out = model.generate(prompt, n_tokens, temperature=0.8, top_k=200)
-    print(f"--- sample ({n_tokens} tokens)\n{enc.decode(out[0].tolist())}\n---")
+    with autocast(device, dtype):  # a seeded generator: every rank draws the same tokens
+        out = model.generate(prompt, n_tokens, temperature=0.8, top_k=200,
+                             generator=torch.Generator(device).manual_seed(seed))
+    log(f"--- sample ({n_tokens} tokens)\n{enc.decode(out[0].tolist())}\n---")
 
 
-# --- 6. distributed set-up (torchrun sets RANK, WORLD_SIZE and LOCAL_RANK)
+# --- 7. command line and the checks made before any work
 
 
-def init_distributed(device_arg):
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Train GPT-2 on Tiny Shakespeare.")
+    p.add_argument("--model", help="preset: tiny, gpt2, small, medium, large, xl, 2.7B (default gpt2; tiny on CPU)")
+    p.add_argument("--vocab", type=int, default=GPT2_VOCAB, help="vocabulary size (50304: 50257 padded)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    p.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler (CUDA only)")
+    p.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls")
+    p.add_argument("--fp8", action="store_true", help="FP8 matmuls (H100/H200; with --bf16)")
+    p.add_argument("--no-fused-ce", action="store_true", help="materialise the logits for the loss (unfused)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--attn", default="sdpa", help="naive, sdpa, flash, cudnn, efficient, math, triton")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (under torchrun, 2+ processes)")
+    p.add_argument("--recompute", type=int, metavar="K", help="recompute every K-th block in backward (1: all)")
+    p.add_argument("--batch", type=int, help="sequences per micro-step per GPU (default 16; 8 on CPU)")
+    p.add_argument("--seq", type=int, help="context length (default 1024; 64 on CPU)")
+    p.add_argument("--steps", type=int, help="optimizer steps, the span of the schedule (default 200; 50 on CPU)")
+    p.add_argument("--stop-after", type=int, help="stop after this many steps, as if interrupted")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+    p.add_argument("--min-lr", type=float, help="final learning rate of the cosine decay (default lr/10)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm (0: off)")
+    p.add_argument("--eval-every", type=int, default=50, help="val loss every N steps (and at the end)")
+    p.add_argument("--eval-steps", type=int, default=10, help="val batches per evaluation (at most all of val)")
+    p.add_argument("--sample", type=int, default=0, metavar="N", help="print N generated tokens at the end")
+    p.add_argument("--data", help="training text (default: input.txt next to gpt.py); the last 10%% is validation")
+    p.add_argument("--ckpt", help="checkpoint path, written at every evaluation, at the end and on Ctrl-C")
+    p.add_argument("--resume", action="store_true", help="continue from --ckpt")
+    p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if present)")
+    p.add_argument("--seed", type=int, default=1337)
+    args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # for the resume command printed on Ctrl-C
+    return args
+
+
+def check_flags(args):
+    """Value ranges, before anything starts (ValueError)."""
+    for flag in ("batch", "seq", "steps", "grad_accum", "eval_every", "eval_steps", "stop_after", "recompute", "lr"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    for flag in ("warmup", "weight_decay", "grad_clip", "sample"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} cannot be negative, got {getattr(args, flag)}")
+    args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    if not 0 <= args.min_lr <= args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
+    amp_dtype(args.bf16, args.fp16)  # raises if both
+    if args.fsdp and args.fp16:
+        raise ValueError("--fsdp runs in bf16 or fp32 here; fp16 would need a sharded GradScaler")
+    if args.ckpt is not None:  # never write over a file that is not one of our checkpoints
+        check_output_path(args.ckpt, "--ckpt", ours=None if args.resume else is_checkpoint)
+    if args.resume and not (args.ckpt and os.path.isfile(args.ckpt)):
+        raise ValueError(f"--resume needs an existing --ckpt file, and '{args.ckpt}' is not one")
+
+
+def check_run(args, world, device):
+    """Device-dependent defaults and checks, the data and the checkpoint to resume: (config,
+    (train, val, eval plan), checkpoint state or None), or a ValueError."""
+    on_cpu = device.type == "cpu"
+    defaults = {"model": ("tiny", "gpt2"), "batch": (8, 16), "seq": (64, 1024), "steps": (50, 200)}
+    for name, (cpu_value, gpu_value) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, cpu_value if on_cpu else gpu_value)
+    config = make_config(args.model, vocab_size=args.vocab, attn=args.attn, fused_ce=not args.no_fused_ce)
+    if args.recompute is not None and args.recompute > config.n_layer:
+        raise ValueError(f"--recompute {args.recompute} is above the {config.n_layer} layers of '{args.model}'")
+    config.recompute = args.recompute or 0
+    if args.seq > config.block_size:
+        raise ValueError(f"--seq {args.seq} is above the block size {config.block_size} of '{args.model}'")
+    if args.fp16 and device.type != "cuda":
+        raise ValueError("--fp16 needs a CUDA GPU (its GradScaler is CUDA-only here); use --bf16 on the CPU")
+    if on_cpu and args.attn in ("cudnn", "efficient", "triton"):
+        raise ValueError(f"--attn {args.attn} needs a CUDA GPU")
+    if args.fp8 and not fp8_supported(device):
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+        raise ValueError(f"--fp8 needs a GPU with FP8 tensor cores (H100, H200, Ada), and {name} has none")
+    if args.fp8 and not args.bf16:
+        raise ValueError("--fp8 needs --bf16: the layers around the FP8 matmuls run in bf16")
+
+    tokens = load_tokens(args.data) if args.data else load_tokens()
+    train_tokens, val = tokens[: int(0.9 * len(tokens))], tokens[int(0.9 * len(tokens)) :]  # the last 10%: validation
+    window = args.batch * args.seq * world  # tokens one micro-step reads across the ranks
+    if window + 1 > len(train_tokens):
+        raise ValueError(f"the training split holds {len(train_tokens):,} tokens, fewer than one step's "
+                         f"batch x seq x processes = {window:,}; lower --batch or --seq, or use more text")
+    rows = min(args.batch, (len(val) - 1) // (args.seq * world))  # sequences per rank that fit in val
+    if rows == 0:
+        raise ValueError(f"the validation split holds {len(val):,} tokens, fewer than --seq {args.seq} x "
+                         f"{world} process(es); lower --seq or use more text")
+    eval_plan = (rows, min(args.eval_steps, (len(val) - 1) // (rows * args.seq * world)))
+
+    state = read_checkpoint(args.ckpt, args, world) if args.resume else None
+    last = min(args.steps, args.stop_after or args.steps)
+    if state is not None and state["step"] >= last:
+        raise ValueError(f"{args.ckpt} is at step {state['step']}: nothing left to run with --steps {args.steps}"
+                         + (f" --stop-after {args.stop_after}" if args.stop_after else ""))
+    return config, (train_tokens, val, eval_plan), state
+
+
+def init_distributed(args):
+    """(rank, world, device); torchrun sets RANK, WORLD_SIZE and LOCAL_RANK."""
     if "RANK" not in os.environ:
-        return 0, 1, resolve_device(device_arg)
+        if args.fsdp:
+            raise ValueError("--fsdp shards the model across processes: run it under torchrun --nproc_per_node=2")
+        return 0, 1, resolve_device(args.device)
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
+    if args.fsdp and world < 2:
+        raise ValueError("--fsdp with one process shards nothing: use --nproc_per_node=2 or more")
+    device = resolve_device(args.device)
+    if device.type == "cuda":
         if local >= torch.cuda.device_count():
             raise ValueError(f"local rank {local} has no GPU: this machine has {torch.cuda.device_count()}")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return rank, world, device
 
 
-# --- 7. the training loop
-
-
-def train(args, config, rank, world, device):
-    log = print if rank == 0 else (lambda *a, **k: None)
-    dtype = amp_dtype(args.bf16, args.fp16)
-    set_tf32(args.tf32)
-    train_tokens, val = split_tokens(load_tokens())
-    torch.manual_seed(args.seed)
-
-    raw_model = GPT(config).to(device)
-    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.fp16)  # fp16 gradients underflow without it
-    step, pos = 0, 0
-    if args.resume:
-        step, pos = load_checkpoint(args.ckpt, raw_model, optimizer, scaler, args)
-        log(f"resumed from {args.ckpt} at step {step}")
-    model = compile_model(raw_model, device, world, args.grad_accum) if args.compile else raw_model
-    if world > 1:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-    B, T, accum = args.batch, args.seq, args.grad_accum
-    tokens_per_step = B * T * accum * world
-    flops_per_step = flops_per_token(config, T) * tokens_per_step / world  # per GPU
-    log(f"model {args.model}: {raw_model.num_params():,} parameters | {tokens_per_step:,} tokens per step "
-        f"(batch {B} x seq {T} x accum {accum} x {world} process{'es' * (world > 1)})")
-    last = min(args.steps, args.stop_after or args.steps)
-    nan_hint = "fp16 overflow without loss scaling" if args.fp16 else f"a learning rate too high (--lr {args.lr})"
-    steps = StepLog(tokens_per_step, flops_per_step, device, nan_hint, log)
-    for step in range(step, last):
-        batches = []
-        for _ in range(accum):
-            batches.append(get_batch(train_tokens, pos + rank * B * T, B, T, device))
-            pos = next_position(pos, B * T * world, len(train_tokens))
-        lr = lr_at(step, args)
-        loss, norm = train_step(model, optimizer, scaler, batches, lr, dtype, args.grad_clip, world)
-        steps.queue(step, lr, loss, norm)  # prints the previous step's line while the GPU runs this one
-        if (step + 1) % args.eval_every == 0 or step + 1 == last:
-            steps.finish()  # val loss and the checkpoint must see this step's weights
-            if rank == 0:
-                # rank 0 alone: the weights are identical on every rank, and eval uses no collective
-                print(f"step {step:5d} | val loss {val_loss(raw_model, val, args, device, dtype):.4f}")
-                if args.ckpt:
-                    save_checkpoint(args.ckpt, raw_model, optimizer, scaler, step + 1, pos, args)
-            steps.restart_clock()  # evaluation is not part of the next step's time
-    log(steps.summary())
-    if args.sample and rank == 0:
-        print_sample(raw_model, args.sample, device, dtype)
-
-
-def compile_model(model, device, world, accum):
-    """torch.compile fuses the elementwise work between the matmuls, and two options help it more:
-    - CUDA graphs (what mode="reduce-overhead" turns on): the compiled forward and backward are
-      recorded once, then each replayed with one launch instead of hundreds of kernel launches.
-      Only on one GPU without accumulation: DDP's hooks launch all-reduces from outside the
-      graphs, and a micro-step's gradients would live in graph memory that the next micro-step's
-      replay overwrites.
-    - programmatic dependent launch (Hopper and newer GPUs; ignored elsewhere): each generated
-      Triton kernel may start while the previous one finishes, instead of after."""
-    cuda_graphs = device.type == "cuda" and world == 1 and accum == 1
-    return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
-
-
-def clip_gradients(model, optimizer, max_norm):
-    """Global gradient norm; gradients scaled down to max_norm if above it (max_norm 0: never).
-    A fused optimizer clips inside its own kernel: it divides each gradient by
-    `optimizer.grad_scale` as it reads it (the hook GradScaler uses to unscale), which saves a
-    read and a write of every gradient, 1 GB per step at 124M parameters."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
-    if max_norm and optimizer.defaults["fused"]:
-        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # as clip_grad_norm_
-    elif max_norm:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
-    return norm
-
-
-def train_step(model, optimizer, scaler, batches, lr, dtype, grad_clip, world):
-    """One optimizer step over the micro-batches (x, y) with autocast to `dtype`. It only queues
-    GPU work and returns the mean loss and the grad norm as GPU tensors: nothing here waits."""
-    device, accum = batches[0][0].device, len(batches)
-    loss_sum = torch.zeros((), device=device)
-    for micro, (x, y) in enumerate(batches):
-        # DDP all-reduces gradients during backward; skip it on all but the last micro-step
-        sync = micro == accum - 1 or world == 1
-        with nullcontext() if sync else model.no_sync():
-            with autocast(device, dtype):
-                _, loss = model(x, y)
-            scaler.scale(loss / accum).backward()
-        loss_sum += loss.detach() / accum
-    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    norm = clip_gradients(model, optimizer, grad_clip)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    if world > 1:
-        dist.all_reduce(loss_sum)
-        loss_sum /= world
-    return loss_sum, norm
-
-
-class StepLog:
-    """A line per step that never makes the GPU wait for the host.
-
-    `loss.item()` would block until everything queued has run, leaving the GPU idle while the host
-    prints and then queues the next step's first kernels. Instead each step's loss and grad norm
-    are copied to (pinned) host memory without blocking, followed by an event, and step k's line
-    is printed once step k+1 is queued: the host waits for step k alone while the GPU runs k+1.
-    Step times are read off those events, on the GPU's own timeline: from the end of one step to
-    the end of the next, so any time the GPU sat idle waiting for the host is counted."""
-
-    def __init__(self, tokens_per_step, flops_per_step, device, nan_hint, log):
-        self.tokens, self.flops, self.device = tokens_per_step, flops_per_step, device
-        self.nan_hint, self.log = nan_hint, log
-        self.times, self.pending = [], None
-        self.restart_clock()
-
-    def restart_clock(self):
-        """Time the next step from here: what ran since the last step (evaluation) is not counted."""
-        self.last_end = timestamp(self.device)
-
-    def queue(self, step, lr, loss, norm):
-        values = torch.stack([loss.float(), norm.float()]).to("cpu", non_blocking=True)
-        end = timestamp(self.device)  # queued after the copy: once it fires, `values` is on the host
-        previous, self.pending = self.pending, (step, lr, values, self.last_end, end)
-        self.last_end = end
-        if previous is not None:
-            self.print_line(*previous)
-
-    def finish(self):
-        """Wait for the last queued step and print its line."""
-        if self.pending is not None:
-            self.print_line(*self.pending)
-            self.pending = None
-
-    def print_line(self, step, lr, values, start, end):
-        dt = seconds_between(start, end)  # waits for `end`, and so for `values`
-        self.times.append(dt)
-        loss, norm = values.tolist()
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}; likely cause: {self.nan_hint}")
-        self.log(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | norm {norm:.3f} | dt {dt * 1e3:7.1f} ms | "
-                 f"{self.tokens / dt:10,.0f} tok/s | MFU {fmt_mfu(self.flops / dt, self.device)} | "
-                 f"mem {fmt_mem(self.device)}")
-
-    def summary(self):
-        """Median step time once the first steps (compilation, cuDNN/cuBLAS warm-up) are behind us."""
-        skip = min(10, len(self.times) // 2)
-        median = statistics.median(self.times[skip:])
-        return (f"summary: median step {median * 1e3:.1f} ms over steps {skip}-{len(self.times) - 1} | "
-                f"{self.tokens / median:,.0f} tok/s | MFU {fmt_mfu(self.flops / median, self.device)} | "
-                f"peak mem {fmt_mem(self.device)}")
-
-
-def timestamp(device):
-    """A point on the device's timeline: on a GPU an event queued behind the work already queued
-    (it fires when the GPU gets there); on the CPU, where ops run as they are called, the clock."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def seconds_between(start, end):
-    if isinstance(end, float):
-        return end - start
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
-
-
-def fmt_mfu(flops_per_s, device):
-    u = mfu(flops_per_s, device)
-    return "n/a" if u is None else f"{100 * u:.1f}%"
-
-
-def fmt_mem(device):
-    """Peak memory allocated by tensors so far (not what the caching allocator reserved)."""
-    if device.type != "cuda":
-        return "n/a"
-    return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
-
-
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
+    world, quiet = 1, os.environ.get("RANK", "0") != "0"  # under torchrun, rank 0 speaks for all
     try:
-        rank, world, device = init_distributed(args.device)
-        config = check_args(args, device)
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
-    if rank == 0:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "no CUDA"
-        note = " -- tiny preset and short context unless you chose sizes" if device.type == "cpu" else ""
-        print(f"device: {device} ({name}){note}")
-    try:
-        train(args, config, rank, world, device)
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
+        check_flags(args)
+        rank, world, device = init_distributed(args)
+        config, data, state = check_run(args, world, device)
+        if rank == 0:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "no CUDA"
+            note = " -- tiny preset and short context unless you chose sizes" if device.type == "cpu" else ""
+            print(f"device: {device} ({name}){note}")
+        train(args, config, data, state, rank, world, device)
+    except (ValueError, FileNotFoundError) as e:  # every rank meets the same one
+        raise SystemExit(2) if quiet else fail(str(e))
     except FloatingPointError as e:
-        print(f"stopped: {e}")
+        if not quiet:
+            print(f"stopped: {e}")
         raise SystemExit(1)
+    except KeyboardInterrupt:
+        print("interrupted outside the training loop: nothing more to save", file=sys.stderr)
+        raise SystemExit(130)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not is_oom(e):
+            raise
+        where = " in host memory" if device.type != "cuda" else \
+            f" in the {gib(torch.cuda.get_device_properties(device).total_memory)} GiB of {device}"
+        fail(f"out of memory: model {args.model} at batch {args.batch} x seq {args.seq} does not fit{where}; "
+             f"lower --batch, or add --recompute 1, --fsdp or --bf16")
     finally:
-        if world > 1:
+        if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
 
