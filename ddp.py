@@ -477,10 +477,15 @@ def train_toy(model, optimizer, steps, rank=0, world=1, dtype=None, parts=1):
         x, y = (torch.randint(15, (8, 6), generator=g).to(device) for _ in "xy")
         for i in range(rank * parts, (rank + 1) * parts):
             part = slice(i * 8 // (world * parts), (i + 1) * 8 // (world * parts))
-            cast = {n: p.to(dtype) for n, p in model.named_parameters()} if dtype else {}
-            (torch.func.functional_call(model, cast, (x[part], y[part])) if dtype else model(x[part], y[part]))[1].backward()
-        for p in model.parameters() if parts > 1 else []:
-            p.grad = None if p.grad is None else p.grad / parts
+            if dtype is None:
+                loss = model(x[part], y[part])[1]
+            else:
+                cast = {n: p.to(dtype) for n, p in model.named_parameters()}
+                loss = torch.func.functional_call(model, cast, (x[part], y[part]))[1]
+            loss.backward()
+        for p in model.parameters() if parts > 1 else []:  # the mean over the slices, in fp32 as the ranks take it
+            if p.grad is not None:
+                p.grad /= parts
         if hasattr(model, "finish_gradient_synchronization"):
             model.finish_gradient_synchronization()
         if optimizer is not None:
@@ -694,60 +699,66 @@ def groups_that_fit(rows, args, world, device):
     return groups
 
 
-def benchmark_worker(rank, world, device, args):
-    set_tf32(True)
-    cuda, results, baselines, torch_label = device.type == "cuda", {}, [], LABELS["torch"]
-    groups = groups_that_fit(variant_list(args), args, world, device)
+def time_group(group, results, args, rank, device):
+    """Build and warm up each variant of the group (its own peak memory: the peak while it warmed
+    up, less what the others already held), time them interleaved, then split their steps into
+    phases. A variant out of memory on any rank is out on all of them."""
+    cuda, live, peaks, local = device.type == "cuda", {}, {}, LABELS["local"]
 
     def sync():  # every rank finishes a round before any starts the next
         synchronize(device)
         dist.barrier()
 
-    for g, group in enumerate(groups):
-        live, peaks = {}, {}
-        for label, key, dtype in group:  # build and warm up; its peak less what the others hold is its own
-            try:
-                synchronize(device)
-                before = torch.cuda.memory_allocated(device) if cuda else 0
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats(device)
-                live[label] = make_step(key, dtype, args, rank, device)
-                for _ in range(args.warmup):
-                    [phase() for phase in live[label]]
-                synchronize(device)
-                peaks[label] = torch.cuda.max_memory_allocated(device) - before if cuda else None
-            except (torch.OutOfMemoryError, RuntimeError) as e:
-                if not is_oom(e):
-                    raise
-                live.pop(label, None)
-            free_memory()  # (outside the except block, whose traceback holds the tensors)
-        fits = [all(ok) for ok in zip(*gather([label in live for label, _, _ in group]))]  # out on one rank: out
-        live = {label: live[label] for (label, _, _), ok in zip(group, fits) if ok}
-        results.update({label: {"oom": True} for label, _, _ in group if label not in live and label not in results})
-        if rank == 0:
-            print(f"  group {g + 1} of {len(groups)}: {', '.join(live)}", flush=True)
-        steps = {label: (lambda phases=phases: [phase() for phase in phases]) for label, phases in live.items()}
-        times, _ = time_rounds(steps, device, args.rounds, args.steps, warmup=0, sync=sync)
-        every = gather(times)  # per round, the slowest rank's time
-        times = {label: [max(r[label][i] for r in every) for i in range(args.rounds)] for label in times}
-        timings = summarize(times, baseline=torch_label if torch_label in times else None)
-        baselines += [timings[torch_label].median] if torch_label in times else []
-        for label, phases in live.items():
-            split = []
-            for _ in range(args.steps):  # the instrumented pass: an event between the phases
-                sync()
-                marks = [clock(device)]
-                for phase in phases:
+    for label, key, dtype in group:
+        try:
+            synchronize(device)
+            before = torch.cuda.memory_allocated(device) if cuda else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            live[label] = make_step(key, dtype, args, rank, device)
+            for _ in range(args.warmup):
+                for phase in live[label]:
                     phase()
-                    marks.append(clock(device))
-                split.append([elapsed_ms(a, b) for a, b in zip(marks, marks[1:])])
-            split = [statistics.fmean(c) for c in zip(*gather([statistics.median(c) for c in zip(*split)]))]
-            exposed = statistics.median(a - b for a, b in zip(times[label], times[LABELS["local"]])) if LABELS["local"] in times else None
-            results.setdefault(label, {"oom": False, "timing": vars(timings[label]), "phases": split, "exposed": exposed,
-                                       "peak": max(gather(peaks[label])) if cuda else None})
-        del live, steps
-        free_memory()
-    return {"rows": results, "baselines": baselines, "groups": len(groups)}
+            synchronize(device)
+            peaks[label] = torch.cuda.max_memory_allocated(device) - before if cuda else None
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_oom(e):
+                raise
+            live.pop(label, None)
+        free_memory()  # (outside the except block, whose traceback holds the tensors)
+    fits = [all(ok) for ok in zip(*gather([label in live for label, _, _ in group]))]
+    live = {label: live[label] for (label, _, _), ok in zip(group, fits) if ok}
+    results.update({label: {"oom": True} for label, _, _ in group if label not in live and label not in results})
+    steps = {label: (lambda phases=phases: [phase() for phase in phases]) for label, phases in live.items()}
+    every = gather(time_rounds(steps, device, args.rounds, args.steps, warmup=0, sync=sync)[0])
+    times = {label: [max(r[label][i] for r in every) for i in range(args.rounds)] for label in live}  # slowest rank's
+    timings = summarize(times, baseline=LABELS["torch"] if LABELS["torch"] in times else None)
+    for label, phases in live.items():
+        split = []
+        for _ in range(args.steps):  # the instrumented pass: an event between the phases
+            sync()
+            marks = [clock(device)]
+            for phase in phases:
+                phase()
+                marks.append(clock(device))
+            split.append([elapsed_ms(a, b) for a, b in zip(marks, marks[1:])])
+        results.setdefault(label, {
+            "oom": False, "timing": vars(timings[label]), "peak": max(gather(peaks[label])) if cuda else None,
+            "phases": [statistics.fmean(c) for c in zip(*gather([statistics.median(c) for c in zip(*split)]))],
+            "exposed": statistics.median(a - b for a, b in zip(times[label], times[local])) if local in times else None})
+    return timings[LABELS["torch"]].median if LABELS["torch"] in timings else None
+
+
+def benchmark_worker(rank, world, device, args):
+    set_tf32(True)
+    results, groups = {}, groups_that_fit(variant_list(args), args, world, device)
+    baselines = []  # torch DDP's median in each group
+    for g, group in enumerate(groups):
+        if rank == 0:
+            print(f"  group {g + 1} of {len(groups)}: {', '.join(label for label, _, _ in group)}", flush=True)
+        baselines.append(time_group(group, results, args, rank, device))
+        free_memory()  # the group's models are gone with time_group's frame
+    return {"rows": results, "baselines": [b for b in baselines if b], "groups": len(groups)}
 
 
 def print_benchmark(out, args, world):

@@ -896,8 +896,8 @@ def test_memory_account_phases_match_live_bytes():
 # --- 7. ddp.py: every wrapper, ZeRO and FSDP equal one process; the interleaved benchmark; bad input
 
 def test_ddp_selftest_matches_one_process():
-    """On 2 gloo ranks, each on its half of every batch, every wrapper ends with the weights of one
-    process on the whole batch: the DDP classes, ZeRO-1 and ZeRO-2 (AdamW, a group added after
+    """On 4 gloo ranks, each on its quarter of every batch, every wrapper ends with the weights of
+    one process on the whole batch: the DDP classes, ZeRO-1 and ZeRO-2 (AdamW, a group added after
     construction), FSDP with SGD and AdamW in fp32, and FSDP with fp16 compute against one process
     that casts the weights the same way. The script checks that (and FSDP's gradient shapes, dtypes
     and bitwise-equal replicated gradients) and exits 1 on a mismatch; here the saved weights are
@@ -906,7 +906,7 @@ def test_ddp_selftest_matches_one_process():
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "weights.pt")
-        code, out, err = call_main("ddp.py", "selftest", "--world", 2, "--backend", "gloo", "--save", path)
+        code, out, err = call_main("ddp.py", "selftest", "--world", 4, "--backend", "gloo", "--save", path)
         saved = torch.load(path)
     n = len(ddp.TOY_VARIANTS)
     assert code == 0 and f"{n} of {n} variants match" in out, out + err
