@@ -850,8 +850,10 @@ def check_launch(world, backend, rank_bytes, what):
     """Exit 2 with one sentence before starting ranks this machine cannot hold."""
     if world < 1:
         fail(f"--world must be at least 1, got {world}")
-    if "RANK" in os.environ:
-        return world == int(os.environ["WORLD_SIZE"]) or fail(f"--world {world} differs from torchrun's WORLD_SIZE")
+    if "RANK" in os.environ:  # torchrun started the ranks
+        if world != int(os.environ["WORLD_SIZE"]):
+            fail(f"--world {world} differs from torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")
+        return
     if backend == "nccl" and world > torch.cuda.device_count():
         fail(f"--world {world} is more than the {torch.cuda.device_count()} GPUs on this machine")
     # a spawned GPU rank imports torch and makes a CUDA context (~2 GiB of host memory); a forked
