@@ -1,49 +1,43 @@
-"""Data parallelism from the collective up: all-reduce bandwidth, then four ways to average gradients.
+"""Data parallelism from the collective up: all-reduce bandwidth, four ways to average gradients,
+then sharding the optimizer state (ZeRO-1, ZeRO-2) and the weights themselves (FSDP).
 
 Every rank holds the whole model, runs its own slice of the batch and averages the gradients with an
-all-reduce. Doing that one tensor at a time after backward (NaiveDDP) pays a latency per tensor;
-one flat buffer (FlatDDP) pays one big latency with nothing overlapped; starting each reduction from
-a gradient hook (OverlapDDP) hides it behind the rest of backward but launches hundreds of small
-collectives; buckets of ~25 MB (BucketDDP) get both, and sending bf16 halves the bytes.
-ShardedOptimizer (ZeRO-1) keeps each rank's AdamW state for only ~1/world of the parameters.
+all-reduce. One tensor at a time after backward (NaiveDDP) pays a latency per tensor; one flat
+buffer (FlatDDP) one latency with nothing overlapped; an all-reduce started from each gradient's
+hook (OverlapDDP) hides behind backward but launches hundreds of small collectives; ~25 MB buckets
+(BucketDDP) get both. An all-reduce is a reduce-scatter then an all-gather: ZeRO-2 stops after the
+reduce-scatter, each rank steps only its slice (ShardedOptimizer) and all-gathers the new weights:
+the bytes of one all-reduce, 1/world of the optimizer state. FSDP shards the weights too: each
+layer is all-gathered just before it runs and freed after, its gradients reduce-scattered at once.
 
     python ddp.py allreduce                      # NCCL bandwidth table, world 2/4/6/8 as GPUs allow
-    python ddp.py allreduce --world 2 --plot allreduce.png
-    python ddp.py benchmark --world 2            # GPT xl, B=4 per rank, T=512, bf16: all variants
+    python ddp.py benchmark --world 2            # GPT xl, B=4 per rank, T=512, bf16: every variant
+    python ddp.py benchmark --variants local,torch,bucket --plot ddp.png
     torchrun --nproc_per_node=2 ddp.py benchmark # the same under torchrun (also multi-node)
     python ddp.py selftest --world 2             # every class against one process on the whole batch
 
-Without a GPU everything runs on gloo with tiny sizes: a smoke run, not a measurement.
+Without a GPU everything runs on gloo at tiny sizes: a smoke run, not a measurement. The benchmark
+times with gpt.time_rounds: every rank runs the same interleaved schedule with a barrier closing each
+round, a variant's time in a round is its slowest rank's (a step ends when the last rank's does),
+and ratios to torch DDP are paired within rounds. A round's variants are all alive at once, so on a
+GPU they run in groups that fit in memory, each with its own torch DDP and no-comm rows to pair
+with. The forward / backward / comm wait / optimizer split comes from a separate instrumented pass.
 
-Excerpt (2x NVIDIA H200, NVLink, torch 2.11.0+cu130, 2026-11-22),
-`python ddp.py benchmark --world 2 --variants local,torch,bucket --steps 15 --warmup 3`:
-
-    variant              fwd ms  bwd ms  comm wait ms  optim ms  step ms  comm share  vs torch DDP  init GiB  peak to sync GiB  peak w/ optim GiB
-    -------------------  ------  ------  ------------  --------  -------  ----------  ------------  --------  ----------------  -----------------
-    local (no comm)        20.6    43.0             -      13.2     77.6          0%         0.70x      5.94             27.34              27.34
-    torch DDP              24.4    72.8        in bwd      13.2    111.0         30%         1.00x     11.79             33.16              33.16
-    torch DDP bf16 comm    22.2    74.7        in bwd      13.1    110.3         30%         0.99x     11.72             35.98              35.98
-    BucketDDP              19.6    59.3           1.2      12.7     95.1         18%         0.86x     11.78             33.13              33.13
-    BucketDDP bf16 comm    19.8    63.1           5.9      12.7    108.5         28%         0.98x     14.87             36.22              36.22
-    median over steps, averaged over ranks; memory: allocated, the largest rank's. comm share = (step - local step) / step, the part of the step data parallelism costs; torch DDP waits inside its backward.
+(excerpt to be refreshed from the next GPU run)
 """
 
 import argparse
-import gc
 import json
+import logging
 import os
+import signal
 import socket
 import statistics
 import sys
 import tempfile
-import time
 import weakref
 from datetime import timedelta
-
-# NVLink SHARP (NVLS) multicast reserves NVSwitch multicast memory that the workplace's shared
-# GPUs must not claim; NCCL reads this when a communicator is created, so it has to be set before
-# init_process_group (spawned ranks inherit it through the environment).
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -51,115 +45,24 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt import GPT, autocast, configure_optimizer, fail, gib, make_config, print_table, set_tf32
+from gpt import (GPT, Timing, autocast, check_output_path, clock, configure_optimizer, elapsed_ms, fail, free_memory,
+                 gib, is_oom, make_config, plot_to, print_table, round_up, set_tf32, summarize, synchronize,
+                 time_rounds)
 
-# --- 1. launching ranks: our own spawn on 127.0.0.1, or torchrun's environment
+# newer torch names the flat collectives *_single. gloo does a reduce-scatter as an all-reduce that
+# keeps its slice (twice the traffic, fine for a CPU smoke run); NCCL does the real thing.
+all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
-
-def under_torchrun():
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# --- 1. averaging gradients: four wrappers with one interface, ZeRO-2, and a sharded optimizer
 
 
-def check_launch(world, backend):
-    """Exit 2 with one sentence for a world or backend this machine cannot run."""
-    if backend == "nccl" and not torch.cuda.is_available():
-        fail("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo")
-    if world < 1:
-        fail(f"--world must be at least 1, got {world}")
-    if under_torchrun():
-        if world != int(os.environ["WORLD_SIZE"]):
-            fail(f"--world {world} differs from torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")
-        world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # GPUs needed on this machine
-    if backend == "nccl" and world > torch.cuda.device_count():
-        fail(f"--world {world} is more than the {torch.cuda.device_count()} GPUs on this machine")
-
-
-def launch(worker, world, backend, args):
-    """Run worker(rank, world, device, args) on every rank; return rank 0's result (None on the
-    other ranks under torchrun). Spawned ranks hand rank 0's result back through a JSON file."""
-    if under_torchrun():
-        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
-        return run_rank(rank, world, backend, worker, args, "env://", None, local_rank)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        init = f"tcp://127.0.0.1:{free_port()}"
-        try:
-            # fork on the CPU: children inherit the imported torch instead of each spending
-            # seconds importing it again (and torch._dynamo, which the first optimizer imports);
-            # CUDA cannot survive a fork, so GPUs need spawn
-            if backend != "nccl":
-                import torch._dynamo  # noqa: F401
-            mp.start_processes(run_rank, args=(world, backend, worker, args, init, out), nprocs=world,
-                               start_method="spawn" if backend == "nccl" else "fork")
-        except mp.ProcessRaisedException as e:
-            print(f"error: a rank failed:\n{e}", file=sys.stderr)
-            sys.exit(1)
-        except mp.ProcessExitedException as e:  # a rank called fail() (2) or was killed
-            sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
-        with open(out) as f:
-            return json.load(f)
-
-
-def run_rank(rank, world, backend, worker, args, init_method, out, local_rank=None):
-    local_rank = rank if local_rank is None else local_rank
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:  # ranks share the cores: left alone, each would start a thread per core and they thrash
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    # the timeout turns a rank that never arrives (a crash, an OOM on one GPU) into an error
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout),
-                            device_id=device if device.type == "cuda" else None)
-    try:
-        result = worker(rank, world, device, args)
-    finally:
-        dist.destroy_process_group()
-    if rank == 0 and out is not None:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    return result if rank == 0 else None
-
-
-def gather(obj):
-    """obj from every rank, as a list indexed by rank."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def now(device):
-    """A point in time: a CUDA event on the current stream (GPU time), else the CPU clock."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def elapsed_ms(marks):
-    """Milliseconds between consecutive marks (on a GPU, waits for the last one first)."""
-    if isinstance(marks[0], float):
-        return [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
-    marks[-1].synchronize()
-    return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-
-
-# --- 2. averaging gradients: four wrappers with one interface, and a sharded optimizer
-
-
-def average_op():
-    """(op, divisor): NCCL averages inside the collective; gloo has no AVG, so sum and divide."""
-    if dist.get_backend() == "nccl":
-        return dist.ReduceOp.AVG, 1
-    return dist.ReduceOp.SUM, dist.get_world_size()
+def on_gradient(p, method):
+    """Call method(p) once p.grad is complete in each backward (after every use of p, both uses of a
+    tied weight, has been summed in). The hook holds the wrapper only weakly: a strong reference is a
+    cycle the garbage collector cannot see through, and models would pile up on the GPU."""
+    ref = weakref.WeakMethod(method)
+    p.register_post_accumulate_grad_hook(lambda param: ref() and ref()(param))
 
 
 class DataParallel(nn.Module):
@@ -168,36 +71,33 @@ class DataParallel(nn.Module):
     def __init__(self, module):
         super().__init__()
         self.module = module
-        # parameters() yields a tied tensor once (GPT's lm_head.weight is wte.weight): it is sent
-        # once here and later has one gradient, reduced once. Frozen ones are sent but not reduced.
-        with torch.no_grad():
+        with torch.no_grad():  # parameters() yields a tied tensor (GPT's lm_head = wte) once
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor, src=0)
-        self.trainable = [p for p in module.parameters() if p.requires_grad]
+        self.trainable = [p for p in module.parameters() if p.requires_grad]  # frozen: never reduced
         self.names = {p: name for name, p in module.named_parameters()}
-        self.op, self.divisor = average_op()
+        # NCCL averages inside the collective; gloo may not, so it sums and we divide
+        nccl = dist.get_backend() == "nccl"
+        self.op, self.divisor = (dist.ReduceOp.AVG, 1) if nccl else (dist.ReduceOp.SUM, dist.get_world_size())
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def no_gradient_error(self, params):
-        names = ", ".join(self.names[p] for p in params)
-        return RuntimeError(f"no gradient for {names} before finish_gradient_synchronization: every "
-                            "trainable parameter must be used in forward on every rank")
+    def averaged(self, tensor):
+        return tensor.div_(self.divisor) if self.divisor > 1 else tensor
 
-    def gradients(self):
-        missing = [p for p in self.trainable if p.grad is None]
+    def check(self, missing):
         if missing:
-            raise self.no_gradient_error(missing)
-        return [p.grad for p in self.trainable]
+            raise RuntimeError(f"no gradient for {', '.join(self.names[p] for p in missing)} before "
+                               "finish_gradient_synchronization: every trainable parameter must be used in forward")
 
-
-def on_gradient(p, method):
-    """Call method(p) once p.grad is complete in each backward. The hook holds the wrapper only
-    weakly: a strong reference would tie every parameter to its wrapper in a cycle the garbage
-    collector cannot see through, and models would pile up on the GPU between benchmark rows."""
-    ref = weakref.WeakMethod(method)
-    p.register_post_accumulate_grad_hook(lambda param: ref() and ref()(param))
+    def all_reduce_flat(self, params):
+        """One all-reduce of one flat copy of all the gradients: one latency, full bandwidth."""
+        self.check([p for p in params if p.grad is None])
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, op=self.op)
+        for p, part in zip(params, self.averaged(flat).split([p.numel() for p in params])):
+            p.grad.copy_(part.view_as(p))
 
 
 class NaiveDDP(DataParallel):
@@ -205,165 +105,160 @@ class NaiveDDP(DataParallel):
     paying the launch latency, and the GPU computes nothing while they run."""
 
     def finish_gradient_synchronization(self):
-        for grad in self.gradients():
-            dist.all_reduce(grad, op=self.op)
-            if self.divisor > 1:
-                grad.div_(self.divisor)
+        self.check([p for p in self.trainable if p.grad is None])
+        for p in self.trainable:
+            dist.all_reduce(p.grad, op=self.op)
+            self.averaged(p.grad)
 
 
 class FlatDDP(DataParallel):
-    """One all-reduce of every gradient copied into one flat buffer: full bandwidth and a single
-    latency, paid for with a copy in, a copy out and a second gradient-sized buffer."""
+    """all_reduce_flat after backward: paid for with a copy in, a copy out and a second
+    gradient-sized buffer, and still nothing overlapped."""
 
     def finish_gradient_synchronization(self):
-        grads = self.gradients()
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=self.op)
-        if self.divisor > 1:
-            flat.div_(self.divisor)
-        for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
-            grad.copy_(part.view_as(grad))
+        self.all_reduce_flat(self.trainable)
 
 
 class OverlapDDP(DataParallel):
     """An asynchronous all-reduce per gradient, started the moment backward has finished it, so
-    communication runs while backward computes the layers below. comm_dtype=torch.bfloat16
-    sends half the bytes and averages back into the fp32 gradient."""
+    communication runs while backward computes the layers below."""
 
-    def __init__(self, module, comm_dtype=None):
+    def __init__(self, module):
         super().__init__(module)
-        self.comm_dtype = comm_dtype
-        self.in_flight = []  # (parameter, tensor sent, work handle)
+        self.works = {}
         for p in self.trainable:
-            # fires once per backward, after every use of p (both uses of a tied weight) has been
-            # summed into p.grad: each gradient leaves complete, and only once
             on_gradient(p, self.reduce)
 
     def reduce(self, p):
-        sent = p.grad if self.comm_dtype in (None, p.grad.dtype) else p.grad.to(self.comm_dtype)
         # every rank runs the same graph, so the hooks fire and the collectives queue in one order
-        self.in_flight.append((p, sent, dist.all_reduce(sent, op=self.op, async_op=True)))
+        self.works[p] = dist.all_reduce(p.grad, op=self.op, async_op=True)
 
     def finish_gradient_synchronization(self):
-        done = {p for p, _, _ in self.in_flight}
-        if len(done) != len(self.trainable):
-            raise self.no_gradient_error([p for p in self.trainable if p not in done])
-        for p, sent, work in self.in_flight:
+        self.check([p for p in self.trainable if p not in self.works])
+        for p, work in self.works.items():
             work.wait()  # on a GPU: the compute stream waits for NCCL's, the CPU goes on
-            if sent is not p.grad:
-                p.grad.copy_(sent)
-            if self.divisor > 1:
-                p.grad.div_(self.divisor)
-        self.in_flight = []
-
-
-def bucket_params(params, cap_bytes):
-    """Split params, in the order given, into consecutive buckets of at most cap_bytes (a larger
-    parameter gets a bucket of its own), each of one dtype and device."""
-    buckets, size = [], 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        kind = (p.dtype, p.device)
-        if not buckets or size + nbytes > cap_bytes or kind != (buckets[-1][0].dtype, buckets[-1][0].device):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
+            self.averaged(p.grad)
+        self.works = {}
 
 
 class BucketDDP(DataParallel):
-    """Gradients grouped into ~bucket_mb buckets in reverse registration order (roughly the order
-    backward produces them); a bucket's asynchronous all-reduce starts when its last gradient
-    arrives. The gradients live in the bucket buffers (p.grad is a view), so the reduced values
-    need no copy back, and a fresh gradient costs one copy in."""
+    """Gradients in ~bucket_mb buckets, in reverse registration order (roughly the order backward
+    makes them); a bucket's asynchronous all-reduce starts when its last gradient arrives. p.grad is
+    a view into its bucket, so the average needs no copy back. comm_dtype=bfloat16 sends half.
 
-    def __init__(self, module, bucket_mb=25, comm_dtype=None):
+    shard=True is ZeRO-2: each bucket is reduce-scattered instead, so a rank receives the averaged
+    gradient of only its 1/world slice of every bucket; after the sync the full gradients are
+    dropped (p.grad is None) and ShardedOptimizer steps the slices, then all-gathers the buckets:
+    the parameters live in one flat buffer per bucket, so that all-gather lands in place."""
+
+    def __init__(self, module, bucket_mb=25, comm_dtype=None, shard=False):
         super().__init__(module)
-        self.grad_buffers, self.comm_buffers, self.sizes, self.slot = [], [], [], {}
-        for i, params in enumerate(bucket_params(self.trainable[::-1], bucket_mb * 2**20)):
-            grads = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                device=params[0].device)
-            cast = comm_dtype not in (None, grads.dtype)
-            comm = torch.empty_like(grads, dtype=comm_dtype) if cast else grads
-            offset = 0
-            for p in params:
-                n = p.numel()
-                self.slot[p] = (i, grads[offset:offset + n].view_as(p),
-                                comm[offset:offset + n].view_as(p) if cast else None)
-                offset += n
-                on_gradient(p, self.gradient_ready)
-            self.grad_buffers.append(grads)
-            self.comm_buffers.append(comm)
-            self.sizes.append(len(params))
-        self.arrived = [0] * len(self.sizes)
-        self.next_bucket, self.works = 0, []
+        self.comm_dtype, self.shard, self.world = comm_dtype, shard, dist.get_world_size()
+        self.buckets, self.slot = [[]], {}  # slot: parameter -> (bucket, offset)
+        for p in self.trainable[::-1]:
+            b = self.buckets[-1]
+            if b and (sum(q.nbytes for q in b) + p.nbytes > bucket_mb * 2**20 or (p.dtype, p.device) != (b[0].dtype, b[0].device)):
+                self.buckets.append([])  # (a parameter above the cap gets a bucket of its own)
+            self.slot[p] = (len(self.buckets) - 1, sum(q.numel() for q in self.buckets[-1]))
+            self.buckets[-1].append(p)
+            on_gradient(p, self.gradient_ready)
+        # elements per bucket, padded to a multiple of the world size when it is split between them
+        self.sizes = [round_up(sum(p.numel() for p in b), self.world if shard else 1) for b in self.buckets]
+        self.grads = [None] * len(self.buckets)  # one flat gradient buffer per bucket, made when used
+        self.arrived, self.next_bucket, self.works = [0] * len(self.buckets), 0, []
+        if shard:
+            self.params = [self.flatten(i) for i in range(len(self.buckets))]
+            self.shard_grads = [flat.new_zeros(flat.numel() // self.world) for flat in self.params]
+            for flat, grad, bucket in zip(self.params, self.shard_grads, self.buckets):
+                lo = dist.get_rank() * grad.numel()
+                for p in bucket:  # the part of p in this rank's slice (the model's own memory), its gradient
+                    a, b = max(self.slot[p][1], lo), min(self.slot[p][1] + p.numel(), lo + grad.numel())
+                    p.zero2 = (weakref.ref(self), *((flat[a:b], grad[a - lo:b - lo]) if a < b else (None, None)))
+
+    def view(self, flat, p):
+        i, offset = self.slot[p]
+        return flat[offset:offset + p.numel()].view_as(p)
+
+    def flatten(self, i):
+        flat = self.buckets[i][0].new_zeros(self.sizes[i])
+        for p in self.buckets[i]:
+            self.view(flat, p).copy_(p.detach())
+            p.data = self.view(flat, p)
+        return flat
 
     def gradient_ready(self, p):
-        i, grad_view, comm_view = self.slot[p]
-        if comm_view is not None:
-            comm_view.copy_(p.grad)  # cast to the communication dtype on the way in
-        elif p.grad.data_ptr() != grad_view.data_ptr():
-            grad_view.copy_(p.grad)  # a fresh gradient (zero_grad set it to None): copy it in
-        p.grad = grad_view  # the fresh tensor is freed; after the sync it holds the average
+        i = self.slot[p][0]
+        if self.grads[i] is None:
+            self.grads[i] = p.new_zeros(self.sizes[i])
+        view = self.view(self.grads[i], p)
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)  # a fresh gradient (zero_grad set it to None): copy it in
+        p.grad = view
         self.arrived[i] += 1
-        if self.arrived[i] > self.sizes[i]:
+        if self.arrived[i] > len(self.buckets[i]):
             raise RuntimeError("backward ran twice without finish_gradient_synchronization; "
                                "BucketDDP does not support gradient accumulation")
-        # buckets leave strictly in order, so every rank queues the same collectives in the same
-        # order even if some gradient arrives early
-        while self.next_bucket < len(self.sizes) and self.arrived[self.next_bucket] == self.sizes[self.next_bucket]:
-            buffer = self.comm_buffers[self.next_bucket]
-            self.works.append(dist.all_reduce(buffer, op=self.op, async_op=True))
+        # buckets leave strictly in order, so every rank queues the same collectives in one order
+        while self.next_bucket < len(self.buckets) and self.arrived[self.next_bucket] == len(self.buckets[self.next_bucket]):
+            i, grads = self.next_bucket, self.grads[self.next_bucket]
+            sent = grads if self.comm_dtype in (None, grads.dtype) else grads.to(self.comm_dtype)
+            if self.shard:
+                out = self.shard_grads[i] if sent is grads else sent.new_empty(sent.numel() // self.world)
+                self.works.append((i, out, reduce_scatter_into(out, sent, op=self.op, async_op=True)))
+            else:
+                self.works.append((i, sent, dist.all_reduce(sent, op=self.op, async_op=True)))
             self.next_bucket += 1
 
     def finish_gradient_synchronization(self):
-        if self.next_bucket < len(self.sizes):
-            stuck = self.next_bucket
-            raise self.no_gradient_error([p for p, (i, _, _) in self.slot.items() if i == stuck])
-        for grads, comm, work in zip(self.grad_buffers, self.comm_buffers, self.works):
+        self.check(self.buckets[self.next_bucket] if self.next_bucket < len(self.buckets) else [])
+        for i, out, work in self.works:
             work.wait()
-            if comm is not grads:
-                grads.copy_(comm)
-            if self.divisor > 1:
-                grads.div_(self.divisor)
-        self.arrived = [0] * len(self.sizes)
-        self.next_bucket, self.works = 0, []
+            target = self.shard_grads[i] if self.shard else self.grads[i]
+            self.averaged(target if out is target else target.copy_(out))
+        if self.shard:  # the full gradients have served: a rank keeps only its slices
+            self.grads = [None] * len(self.buckets)
+            for p in self.trainable:
+                p.grad = None
+        self.arrived, self.next_bucket, self.works = [0] * len(self.buckets), 0, []
+
+    def all_gather_parameters(self):
+        """ZeRO-2, after the optimizer stepped this rank's slices: every rank gets every slice."""
+        return [all_gather_into(flat, flat.chunk(self.world)[dist.get_rank()], async_op=True) for flat in self.params]
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO-1: each rank keeps optimizer_cls state (AdamW: two fp32 tensors per parameter) for
-    about 1/world of the parameters, steps only those, then broadcasts them to the other ranks.
-    An elementwise optimizer gives exactly the unsharded result; the price is a broadcast of
-    every parameter each step, about the cost of one more all-reduce's all-gather half."""
+    """Optimizer state (AdamW: two fp32 tensors per parameter) for ~1/world of the parameters on
+    each rank. ZeRO-1, after any wrapper: each parameter goes to the least-loaded rank, which steps
+    it and broadcasts it. ZeRO-2, for a BucketDDP(shard=True)'s parameters: each rank steps its
+    slice of every bucket (the only gradient it received), then the buckets are all-gathered."""
 
     def __init__(self, params, optimizer_cls, **kwargs):
-        self.optimizer_cls, self.kwargs = optimizer_cls, kwargs
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.owners = []  # (parameter, owning rank), in the same order on every rank
-        self.load = [0] * self.world  # elements owned per rank
-        self.local = None  # optimizer_cls over this rank's shard, made when it gets one
-        self.group_pairs = []  # (our param group, the local optimizer's group for it)
+        self.optimizer_cls, self.kwargs, self.rank = optimizer_cls, kwargs, dist.get_rank()
+        self.owners, self.load = [], [0] * dist.get_world_size()  # ZeRO-1: (parameter, owner); elements per rank
+        self.pieces, self.wrappers = [], {}  # ZeRO-2: (slice, its gradient); the BucketDDPs to gather
+        self.local, self.group_pairs = None, []  # optimizer_cls over what this rank steps; (our group, its)
         super().__init__(params, kwargs)  # calls add_param_group for each group
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)  # validates and fills in the defaults
-        group = self.param_groups[-1]
-        mine = []
+        group, mine = self.param_groups[-1], []
         for p in group["params"]:
-            owner = min(range(self.world), key=self.load.__getitem__)  # least-loaded rank
+            if hasattr(p, "zero2"):
+                self.wrappers[p.zero2[0]] = True
+                if p.zero2[1] is not None:
+                    mine.append(p.zero2[1])
+                    self.pieces.append(p.zero2[1:])
+                continue
+            owner = min(range(len(self.load)), key=self.load.__getitem__)
             self.load[owner] += p.numel()
             self.owners.append((p, owner))
-            if owner == self.rank:
-                mine.append(p)
-        if not mine:
-            return
-        shard = {**group, "params": mine}
-        if self.local is None:
-            self.local = self.optimizer_cls([shard], **self.kwargs)
-        else:
-            self.local.add_param_group(shard)
-        self.group_pairs.append((group, self.local.param_groups[-1]))
+            mine += [p] if owner == self.rank else []
+        if mine and self.local is None:
+            self.local = self.optimizer_cls([{**group, "params": mine}], **self.kwargs)
+        elif mine:
+            self.local.add_param_group({**group, "params": mine})
+        if mine:
+            self.group_pairs.append((group, self.local.param_groups[-1]))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -373,134 +268,280 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for group, shard in self.group_pairs:  # carry learning-rate schedules over to the shard
             shard.update((k, v) for k, v in group.items() if k != "params")
+        for piece, grad in self.pieces:
+            piece.grad = grad
         if self.local is not None:
             self.local.step()
         works = [dist.broadcast(p, src=owner, async_op=True) for p, owner in self.owners]
-        for work in works:
+        for work in works + [work for wrapper in self.wrappers for work in wrapper().all_gather_parameters()]:
             work.wait()
         return loss
 
 
-# --- 3. correctness: a toy model with a tied and a frozen weight, against one process
+# --- 2. FSDP: the weights sharded too, each layer gathered just before it runs
+
+
+class FSDP(DataParallel):
+    """Every trainable parameter with two or more dimensions (a tied one once) is split along dim 0,
+    padded to a multiple of the world size: .module's parameters are this rank's shards, and any
+    torch optimizer steps them. 1-D ones (norm gains, biases) stay whole, in fp32. The layers are the
+    entries of the model's nn.ModuleLists (GPT's blocks); the rest (embeddings, final norm, the tied
+    output layer) is one more unit, gathered for the whole step. In forward and backward a layer's
+    weights are all-gathered just before it runs, cast to compute_dtype first (bf16: half the bytes
+    travel), and freed after, the next layer's all-gather in flight while it computes. Each weight's
+    gradient is reduce-scattered in fp32 the moment backward has finished it and lands as the
+    shard's .grad; the 1-D gradients (a few MB) are all-reduced together at the end. Activation
+    checkpointing is not supported: it re-runs forward inside backward."""
+
+    def __init__(self, module, compute_dtype=None):
+        if getattr(getattr(module, "config", None), "recompute", 0):
+            raise ValueError("FSDP does not support activation checkpointing (config.recompute)")
+        super().__init__(module)
+        self.compute_dtype, self.rank, self.world = compute_dtype, dist.get_rank(), dist.get_world_size()
+        layers = [layer for m in module.modules() if isinstance(m, nn.ModuleList) for layer in m]
+        unit_of = {m: u for u, layer in enumerate(layers, 1) for m in layer.modules()}  # the rest: unit 0
+        self.slots = [[] for _ in range(len(layers) + 1)]  # per unit: (module, name, parameter) to install
+        self.sharded = [[] for _ in self.slots]  # per unit: the parameters it gathers
+        self.full, self.shard_of = {}, {}  # shard: (full tensor, alias to write it, rows); full: shard
+        for m, name, p in [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]:
+            self.slots[unit_of.get(m, 0)].append((m, name, p))
+            if p.requires_grad and p.dim() >= 2 and p not in self.full:
+                self.shard_(p)
+                self.sharded[unit_of.get(m, 0)].append(p)
+        self.replicated = [p for p in self.trainable if p.dim() < 2]
+        self.gathers = [[] for _ in self.slots]  # all-gathers in flight, per unit
+        self.pending, self.settled, self.reduced = [], 0, set()  # reduce-scatters: (work, shard, out)
+        for u, layer in enumerate(layers, 1):
+            layer.register_forward_pre_hook(partial(self.pre_forward, u))
+            layer.register_forward_hook(partial(self.post_forward, u))
+
+    def shard_(self, p):
+        """Keep this rank's rows of p (p.data becomes the shard) and make the full tensor it is
+        gathered into: the leaf the layer computes with, whose memory exists only while gathered."""
+        padded = p.new_zeros(round_up(p.shape[0], self.world), *p.shape[1:])
+        padded[:p.shape[0]] = p.detach()
+        full = torch.empty(padded.shape, dtype=self.compute_dtype or p.dtype, device=p.device, requires_grad=True)
+        # the all-gather writes through an alias: the same memory but its own version counter, so
+        # autograd does not take a refill for a change to the weights it saved for backward
+        alias = torch.empty(0, dtype=full.dtype, device=p.device).set_(full.untyped_storage(), 0, full.shape)
+        full.untyped_storage().resize_(0)
+        self.full[p], self.shard_of[full] = (full, alias, p.shape[0]), p
+        on_gradient(full, self.reduce_scatter)
+        p.data = padded.chunk(self.world)[self.rank].clone()
+
+    def gather(self, u):
+        """Start all-gathering those of unit u's weights that are neither here nor on their way."""
+        for p in self.sharded[u] if u < len(self.slots) else []:
+            full, alias, _ = self.full[p]
+            if full.untyped_storage().nbytes() == 0:
+                full.untyped_storage().resize_(full.nbytes)  # cast first: compute_dtype bytes travel
+                self.gathers[u].append(all_gather_into(alias, p.detach().to(full.dtype), async_op=True))
+
+    def wait(self, u):
+        self.gather(u)
+        for work in self.gathers[u]:
+            work.wait()  # on a GPU the compute stream waits for NCCL's; the CPU goes on queueing
+        self.gathers[u] = []
+
+    def free(self, u):
+        for p in self.sharded[u]:
+            self.full[p][0].untyped_storage().resize_(0)
+
+    def install(self, u, on=True):
+        """Point unit u's modules at the gathered weights and at compute_dtype copies of the others
+        (differentiable: the fp32 parameter gets the gradient); or back at the parameters."""
+        for m, name, p in self.slots[u]:
+            if not on:
+                m._parameters[name] = p
+            elif p in self.full:
+                m._parameters[name] = self.full[p][0][:self.full[p][2]]  # not the padding rows
+            elif self.compute_dtype is not None:
+                m._parameters[name] = p.to(self.compute_dtype)
+
+    def forward(self, *args, **kwargs):
+        self.gather(0)
+        self.gather(1)  # the first layer comes right behind the root
+        self.wait(0)
+        self.install(0)
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self.install(0, on=False)
+            if not torch.is_grad_enabled():
+                self.free(0)
+
+    def pre_forward(self, u, module, args):
+        self.wait(u)
+        self.gather(u + 1)  # the next layer's all-gather runs while this one computes
+        self.install(u)
+
+    def post_forward(self, u, module, args, output):
+        self.install(u, on=False)
+        if not torch.is_grad_enabled() or u < len(self.slots) - 1:
+            self.free(u)  # (the last layer's weights are the first backward needs: kept)
+        outputs = [output] if torch.is_tensor(output) else output
+        if (out := next((t for t in outputs if torch.is_tensor(t) and t.requires_grad), None)) is not None:
+            out.register_hook(lambda grad: self.pre_backward(u))  # when the layer's backward starts
+
+    def pre_backward(self, u):
+        self.wait(u)  # its backward reads the weights again
+        self.gather(u - 1)  # the layer below starts coming
+        self.settle(self.settled)  # reduce-scatters from two layers up are done: release them
+        self.settled = len(self.pending)
+
+    def reduce_scatter(self, full):
+        p = self.shard_of[full]
+        grad = full.grad.to(p.dtype)  # reduced in the shards' fp32, whatever the compute dtype
+        full.grad = None
+        full.untyped_storage().resize_(0)  # backward is done with these weights
+        out = torch.empty_like(p)
+        self.pending.append((reduce_scatter_into(out, grad, op=self.op, async_op=True), p, out))
+        self.reduced.add(p)
+
+    def settle(self, n):
+        """Wait for the first n reduce-scatters in flight; their averages become the shards' .grad."""
+        for work, p, out in self.pending[:n]:
+            work.wait()
+            p.grad = self.averaged(out) if p.grad is None else p.grad + self.averaged(out)
+        self.pending = self.pending[n:]
+
+    def finish_gradient_synchronization(self):
+        self.check([p for p in self.full if p not in self.reduced])
+        self.settle(len(self.pending))
+        self.settled, self.reduced = 0, set()
+        if self.replicated:  # one all-reduce, so every rank ends with the same bits
+            self.all_reduce_flat(self.replicated)
+        for u in range(len(self.slots)):
+            self.free(u)
+
+    @torch.no_grad()
+    def gather_full_params(self):
+        """{name: full tensor} of every parameter (a tied one once), the sharded ones all-gathered."""
+        out = {name: p.detach().clone() for name, p in self.module.named_parameters()}
+        for name, p in self.module.named_parameters():
+            if p in self.full:
+                out[name] = p.new_empty(p.shape[0] * self.world, *p.shape[1:])
+                all_gather_into(out[name], p.detach())
+                out[name] = out[name][:self.full[p][2]]
+        return out
+
+
+# --- 3. correctness: a toy model on every rank against one process on the whole batch
 
 
 class ToyModel(nn.Module):
-    """Small enough for gloo on two CPU cores, awkward enough to catch the usual bugs: a tied
-    weight (reduced twice, its gradient doubles), a frozen layer (must stay untouched and never be
-    waited for) and a buffer (must come from rank 0)."""
+    """Small, and awkward enough to catch the usual bugs: a tied output layer (its gradient has two
+    parts), a frozen layer (never reduced or waited for), a buffer (must come from rank 0), layers in
+    an nn.ModuleList (FSDP's units) and 15 embedding rows (FSDP pads them)."""
 
-    def __init__(self, vocab=16, dim=8):
+    def __init__(self, vocab=15, dim=8):
         super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
+        self.embed, self.norm = nn.Embedding(vocab, dim), nn.LayerNorm(dim)
         self.frozen = nn.Linear(dim, dim).requires_grad_(False)
-        self.hidden = nn.Linear(dim, dim)
-        self.norm = nn.LayerNorm(dim)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.Tanh()) for _ in range(2))
         self.out = nn.Linear(dim, vocab, bias=False)
         self.out.weight = self.embed.weight
         self.register_buffer("shift", torch.randn(dim))
 
     def forward(self, idx, targets):
         h = self.embed(idx)
-        h = torch.tanh(self.hidden(self.norm(h + self.frozen(h)))) + self.shift
-        logits = self.out(h)
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        h = h + self.frozen(h)
+        for layer in self.layers:
+            h = h + layer(h)
+        logits = self.out(self.norm(h) + self.shift.to(h.dtype)).float()
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def toy_batch(step, batch=8, seq=6, vocab=16):
-    g = torch.Generator().manual_seed(step)
-    return torch.randint(vocab, (batch, seq), generator=g), torch.randint(vocab, (batch, seq), generator=g)
-
-
-def toy_optimizer(model, kind, sharded=False):
-    """SGD, or AdamW with a decayed and an undecayed group; the sharded AdamW gets its second
-    group through add_param_group after construction."""
+def toy_optimizer(model, kind):
+    """SGD, or AdamW with a decayed and an undecayed group, sharded ("zero-adamw") with the second
+    group added after construction."""
     params = [p for p in model.parameters() if p.requires_grad]
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.5)
-    decay = {"params": [p for p in params if p.dim() >= 2]}
-    other = {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}
-    if not sharded:
-        return torch.optim.AdamW([decay, other], lr=0.05, weight_decay=0.1)
-    optimizer = ShardedOptimizer([decay], torch.optim.AdamW, lr=0.05, weight_decay=0.1)
-    optimizer.add_param_group(other)
+    groups = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1)
+    optimizer = ShardedOptimizer(groups[:1], torch.optim.AdamW, lr=0.05, weight_decay=0.1)
+    optimizer.add_param_group(groups[1])
     return optimizer
 
 
-def train_toy(model, optimizer, steps, rank=0, world=1):
-    """Train where rank r takes the r-th of world equal slices of each batch: the mean of the
-    slices' mean losses is the whole batch's mean loss, so the averaged gradient is the same."""
+def train_toy(model, optimizer, steps, rank=0, world=1, dtype=None, parts=1):
+    """Rank r trains on the r-th of world slices of each batch: the mean of the slices' mean losses
+    is the whole batch's, so the averaged gradient is the same. The reference for FSDP's compute_dtype
+    casts every parameter to dtype for the forward, as FSDP does, and sums the gradients of `parts`
+    slices in fp32: in fp16 a gradient's rounding depends on how many rows it sums."""
     device = next(model.parameters()).device
     for step in range(steps):
-        x, y = toy_batch(step)
-        part = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
-        _, loss = model(x[part].to(device), y[part].to(device))
-        loss.backward()
+        g = torch.Generator().manual_seed(step)
+        x, y = (torch.randint(15, (8, 6), generator=g).to(device) for _ in "xy")
+        for i in range(rank * parts, (rank + 1) * parts):
+            part = slice(i * 8 // (world * parts), (i + 1) * 8 // (world * parts))
+            if dtype is None:
+                loss = model(x[part], y[part])[1]
+            else:
+                cast = {n: p.to(dtype) for n, p in model.named_parameters()}
+                loss = torch.func.functional_call(model, cast, (x[part], y[part]))[1]
+            loss.backward()
+        for p in model.parameters() if parts > 1 else []:  # the mean over the slices, in fp32 as the ranks take it
+            if p.grad is not None:
+                p.grad /= parts
         if hasattr(model, "finish_gradient_synchronization"):
             model.finish_gradient_synchronization()
-        optimizer.step()
-        optimizer.zero_grad()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
 
 
-def state_of(model):
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+def toy_state(model):
+    """Every parameter (a tied one once) and buffer, whole, on the CPU."""
+    inner = getattr(model, "module", model)
+    params = model.gather_full_params() if isinstance(model, FSDP) else dict(inner.named_parameters())
+    return {k: v.detach().cpu().clone() for k, v in [*params.items(), *inner.named_buffers()]}
 
 
-def max_diff(a, b):
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-# name: (class, keyword arguments, optimizer, sharded, tolerance). Tiny buckets force several.
+TINY = 0.0002  # MB: a bucket or two per parameter
+# name: (wrapper, optimizer, tolerance). ZeRO-1 is BucketDDP with a ShardedOptimizer.
 TOY_VARIANTS = {
-    "naive": (NaiveDDP, {}, "sgd", False, 2e-6),
-    "flat": (FlatDDP, {}, "sgd", False, 2e-6),
-    "overlap": (OverlapDDP, {}, "sgd", False, 2e-6),
-    "overlap-bf16": (OverlapDDP, {"comm_dtype": torch.bfloat16}, "sgd", False, 1e-2),
-    "bucket": (BucketDDP, {"bucket_mb": 0.0002}, "sgd", False, 2e-6),
-    "bucket-bf16": (BucketDDP, {"bucket_mb": 0.0002, "comm_dtype": torch.bfloat16}, "sgd", False, 1e-2),
-    "sharded-adamw": (BucketDDP, {"bucket_mb": 0.0002}, "adamw", True, 2e-6),
+    "naive": (NaiveDDP, "sgd", 2e-6), "flat": (FlatDDP, "sgd", 2e-6), "overlap": (OverlapDDP, "sgd", 2e-6),
+    "bucket": (partial(BucketDDP, bucket_mb=TINY), "sgd", 2e-6),
+    "bucket-bf16": (partial(BucketDDP, bucket_mb=TINY, comm_dtype=torch.bfloat16), "sgd", 1e-2),
+    "zero1-adamw": (partial(BucketDDP, bucket_mb=TINY), "zero-adamw", 2e-6),
+    "zero2-adamw": (partial(BucketDDP, bucket_mb=TINY, shard=True), "zero-adamw", 2e-6),
+    "fsdp": (FSDP, "sgd", 2e-6), "fsdp-adamw": (FSDP, "adamw", 2e-6),
+    "fsdp-fp16": (partial(FSDP, compute_dtype=torch.float16), "sgd", 2e-6),
 }
 
 
 def selftest_worker(rank, world, device, args):
     rows, saved = [], {}
-    for name, (cls, kwargs, kind, sharded, tol) in TOY_VARIANTS.items():
+    for name, (wrapper, kind, tol) in TOY_VARIANTS.items():
         torch.manual_seed(100 + rank)  # different weights on every rank until the wrapper syncs them
-        model = ToyModel().to(device)
-        wrapped = cls(model, **kwargs)
-        initial = gather(state_of(model))
-        optimizer = toy_optimizer(model, kind, sharded)
+        wrapped = wrapper(ToyModel().to(device))
+        initial = gather(toy_state(wrapped))
+        optimizer = toy_optimizer(wrapped.module, kind)
         train_toy(wrapped, optimizer, args.steps, rank, world)
-        final = gather(state_of(model))
-        # elements whose optimizer state this rank holds: a shard of them when sharded
-        local = optimizer.local if sharded else optimizer
+        final = gather(toy_state(wrapped))
+        local = getattr(optimizer, "local", optimizer)  # what this rank holds optimizer state for
         held = gather(sum(p.numel() for p in local.state) if local is not None else 0)
+        grads_ok = True
+        if isinstance(wrapped, FSDP):  # after one more sync: fp32 gradients shaped like the shards,
+            train_toy(wrapped, None, 1, rank, world)  # the replicated ones the same bits everywhere
+            replicated = gather([p.grad.cpu() for p in wrapped.replicated])
+            grads_ok = all(gather(all(p.grad.dtype == torch.float32 and p.grad.shape == p.shape for p in wrapped.trainable)))
+            grads_ok &= all(torch.equal(a, b) for r in replicated for a, b in zip(r, replicated[0]))
         if rank == 0:
-            reference = ToyModel().to(device)
-            reference.load_state_dict(initial[0])
-            train_toy(reference, toy_optimizer(reference, kind), args.steps)
-            spread = max(max_diff(s, initial[0]) for s in initial)
-            error = max(max_diff(s, state_of(reference)) for s in final)
-            ok = spread == 0 and error <= tol
-            rows.append([name, f"{spread:.1e}", f"{error:.1e}", f"{tol:.0e}", "ok" if ok else "FAIL"])
+            reference, dtype = ToyModel().to(device), getattr(wrapped, "compute_dtype", None)
+            reference.load_state_dict(initial[0], strict=False)  # (the tied output layer comes with embed)
+            train_toy(reference, toy_optimizer(reference, kind.removeprefix("zero-")), args.steps, dtype=dtype,
+                      parts=world if dtype else 1)
+            diff = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in a)  # noqa: E731
+            spread, error = max(diff(s, initial[0]) for s in initial), max(diff(s, toy_state(reference)) for s in final)
+            rows.append([name, f"{spread:.1e}", f"{error:.1e}", f"{tol:.0e}", "ok" if spread == 0 and error <= tol and grads_ok else "FAIL"])
             saved[name] = {"optimizer": kind, "initial": initial, "final": final, "state_held": held}
     if rank == 0 and args.save:
-        torch.save({"steps": args.steps, "variants": saved}, args.save)
+        torch.save({"steps": args.steps, "world": world, "variants": saved}, args.save)
     return rows
-
-
-def run_selftest(args, world, backend):
-    print(f"selftest: every wrapper on {world} ranks ({backend}) vs one process on the whole batch, "
-          f"{args.steps} steps")
-    rows = launch(selftest_worker, world, backend, args)
-    if rows is None:
-        return
-    print_table(["variant", "max |rank - rank 0| at start", "max |w - reference| at end",
-                 "tolerance", "result"], rows)
-    failed = [r[0] for r in rows if r[-1] != "ok"]
-    print(f"selftest: {len(rows) - len(failed)} of {len(rows)} variants match one-process training"
-          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
-    if failed:
-        sys.exit(1)
 
 
 # --- 4. all-reduce bandwidth
@@ -509,18 +550,14 @@ def run_selftest(args, world, backend):
 def parse_size(text):
     """'1M', '10MB', '1GiB', '4096' -> bytes (K/M/G are powers of 1024)."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
-    number = t[:-1] if t[-1:] in "KMG" else t
+    number, scale = (t[:-1], {"K": 2**10, "M": 2**20, "G": 2**30}[t[-1]]) if t[-1:] in ("K", "M", "G") else (t, 1)
     if not number.isdigit() or int(number) * scale < 4 or int(number) * scale % 4:
         raise ValueError(f"size '{text}' is not a whole number of float32 values (like 1M, 64K, 1G)")
     return int(number) * scale
 
 
 def size_label(nbytes):
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes} B"
+    return next((f"{nbytes / s:g} {u}" for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if nbytes >= s), f"{nbytes} B")
 
 
 def allreduce_worker(rank, world, device, args):
@@ -533,327 +570,408 @@ def allreduce_worker(rank, world, device, args):
         times = []
         for i in range(args.warmup + args.reps):
             dist.barrier()  # start together, or a late rank's delay is timed as transfer
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            marks = [now(device)]
+            synchronize(device)
+            start = clock(device)
             dist.all_reduce(x)
-            marks.append(now(device))
-            if i >= args.warmup:
-                times.append(elapsed_ms(marks)[0])
-        per_rank = gather(times)
+            times += [elapsed_ms(start, clock(device))] if i >= args.warmup else []
         # a collective is done when its slowest rank is; the median resists stray slow runs
-        rows.append([world, nbytes, statistics.median(max(run) for run in zip(*per_rank))])
+        rows.append([world, nbytes, statistics.median(max(run) for run in zip(*gather(times)))])
         del x
     return rows
 
 
-def bus_factor(world):
-    """nccl-tests' all-reduce bus-bandwidth factor: each rank sends and receives 2(n-1)/n of the
-    buffer, so algbw x 2(n-1)/n is comparable across world sizes and with link speeds."""
-    return 2 * (world - 1) / world
-
-
-def plot_allreduce(rows, path, plt):
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for world in sorted({r[0] for r in rows}):
-        mine = [r for r in rows if r[0] == world]
-        ax.plot([r[1] for r in mine], [r[1] / r[2] / 1e6 * bus_factor(world) for r in mine], "o-",
-                label=f"{world} ranks")
-    ax.set(xscale="log", xlabel="buffer (bytes, float32)", ylabel="bus bandwidth (GB/s)",
-           title="all-reduce")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-
-
 def run_allreduce(args, worlds, backend):
-    if args.plot:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ModuleNotFoundError:
-            fail("--plot needs matplotlib (pip install matplotlib)")
-    where = (f"{torch.cuda.get_device_name()} GPUs, NCCL" if backend == "nccl"
-             else "CPU processes, gloo (no GPU: small sizes, a smoke run)")
+    where = f"{torch.cuda.get_device_name()} GPUs, NCCL" if backend == "nccl" else "CPU processes, gloo (no GPU: a smoke run)"
     print(f"all-reduce of float32 on {where}, torch {torch.__version__}: median of {args.reps} runs "
           f"after {args.warmup} warm-up, world {', '.join(map(str, worlds))}")
-    rows = []
-    for world in worlds:
-        part = launch(allreduce_worker, world, backend, args)
-        if part is None:
-            return
-        rows += part
-    table = [[w, size_label(n), f"{ms:.3f}", f"{n / ms / 1e6:.3g}", f"{n / ms / 1e6 * bus_factor(w):.3g}"]
-             for w, n, ms in rows]
-    print_table(["world", "size", "time (ms)", "algbw (GB/s)", "busbw (GB/s)"], table)
+    rows = [row for world in worlds for row in launch(allreduce_worker, world, backend, args) or []]
+    if not rows:
+        return
+    # nccl-tests' bus bandwidth: a rank sends and receives 2(n-1)/n of the buffer, so algbw x 2(n-1)/n
+    # compares across world sizes and with link speeds
+    rows = [[w, size_label(n), f"{ms:.3f}", f"{n / ms / 1e6:.3g}", f"{n / ms / 1e6 * 2 * (w - 1) / w:.3g}"] for w, n, ms in rows]
+    print_table(["world", "size", "time (ms)", "algbw (GB/s)", "busbw (GB/s)"], rows)
     print("algbw = bytes / time; busbw = algbw x 2(n-1)/n (nccl-tests' all-reduce definition); "
           "time = slowest rank's, median of runs; GB = 1e9 bytes")
-    if args.plot:
-        plot_allreduce(rows, args.plot, plt)
-        print(f"plot saved to {args.plot}")
-    w, n, ms = rows[-1]
-    print(f"summary: all-reduce of {size_label(n)} on {w} ranks takes {ms:.3f} ms, "
-          f"{n / ms / 1e6 * bus_factor(w):.1f} GB/s bus bandwidth")
+    print(f"summary: all-reduce of {rows[-1][1]} on {rows[-1][0]} ranks takes {rows[-1][2]} ms, {rows[-1][4]} GB/s bus bandwidth")
 
 
-# --- 5. benchmark: the same GPT step under every wrapper
+# --- 5. benchmark: the same GPT step under every variant, interleaved in rounds
 
-LABELS = {"local": "local (no comm)", "torch": "torch DDP", "naive": "NaiveDDP", "flat": "FlatDDP",
-          "overlap": "OverlapDDP", "bucket": "BucketDDP", "sharded": "BucketDDP + ShardedOpt"}
-COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+LABELS = {"local": "local (no comm)", "torch": "torch DDP", "naive": "NaiveDDP", "flat": "FlatDDP", "overlap": "OverlapDDP",
+          "bucket": "BucketDDP", "sharded": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP", "fsdp2": "torch FSDP2"}
+# what a variant keeps between steps, in fp32 weights (AdamW's moments are two): (whole, split over
+# the ranks). FlatDDP's flat copy only lives during its sync, but counts.
+RESIDENT = {"local": (3, 0), "torch": (4, 0), "naive": (3, 0), "flat": (4, 0), "overlap": (3, 0), "bucket": (4, 0),
+            "sharded": (2, 2), "zero2": (1, 3), "fsdp": (0, 4), "fsdp2": (0, 4)}
 
 
 def variant_list(args):
-    """(label, key, comm dtype name): one row per wrapper, and per comm dtype where it applies."""
-    out = []
-    for key in args.variants:
-        for name in args.comm_dtypes if key in ("torch", "overlap", "bucket", "sharded") else ["fp32"]:
-            if key == "torch" and name == "bf16" and args.backend != "nccl":
-                continue  # torch's bf16 compression hook needs NCCL
-            label = LABELS[key] + (" bf16 comm" if name == "bf16" else "")
-            out.append((label, key, name))
-    return out
+    """(label, key, dtype) per row: each variant with each --comm-dtype where one applies (what torch
+    DDP, BucketDDP and ZeRO send; what FSDP gathers and computes with), or the one in key:dtype."""
+    rows = []
+    for key, _, only in (v.partition(":") for v in args.variants):
+        for dtype in [only] if only else args.comm_dtypes if key in ("torch", "bucket", "sharded", "zero2", "fsdp") else ["fp32"]:
+            if not (key == "torch" and dtype == "bf16" and args.backend != "nccl"):  # torch's bf16 hook needs NCCL
+                rows.append((LABELS[key] + ("" if dtype == "fp32" else " bf16 compute" if key == "fsdp" else " bf16 comm"), key, dtype))
+    return rows
 
 
-def wrap(key, model, comm, args, device):
-    if key == "local":
-        return model
+def fully_shard_gpt(model):
+    """PyTorch's FSDP2 configured as its documentation recommends: fully_shard per block, then the
+    root; bf16 parameters, fp32 gradient reduction; the root (and the last block, the first one
+    backward needs) kept gathered after forward; explicit prefetching of the next block in forward
+    and of the previous one in backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw = {"mesh": init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),)),
+          "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    blocks = list(model.h)
+    for i, block in enumerate(blocks):
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
+    fully_shard(model, reshard_after_forward=False, **kw)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+        block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0):i])
+
+
+def make_step(key, dtype, args, rank, device):
+    """One training step of GPT under one variant, in four phases: forward, backward, waiting for
+    the gradients' communication, optimizer step."""
+    torch.manual_seed(rank)
+    with torch.device(device):
+        model = wrapped = GPT(make_config(args.model, vocab_size=args.vocab))
+    dtype = torch.bfloat16 if dtype == "bf16" else None
     if key == "torch":
-        ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_mb)
-        if comm is not None:
+        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                      bucket_cap_mb=args.bucket_mb)
+        if dtype:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        return ddp
-    if key in ("naive", "flat"):
-        return (NaiveDDP if key == "naive" else FlatDDP)(model)
-    if key == "overlap":
-        return OverlapDDP(model, comm)
-    return BucketDDP(model, args.bucket_mb, comm)
+            wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif key in ("naive", "flat", "overlap", "fsdp"):
+        wrapped = FSDP(model, dtype) if key == "fsdp" else {"naive": NaiveDDP, "flat": FlatDDP, "overlap": OverlapDDP}[key](model)
+    elif key in ("bucket", "sharded", "zero2"):
+        wrapped = BucketDDP(model, args.bucket_mb, dtype, shard=key == "zero2")
+    elif key == "fsdp2":
+        fully_shard_gpt(model)
+    optimizer = configure_optimizer(model, lr=3e-4)
+    if key in ("sharded", "zero2"):  # the same AdamW (groups, betas), its state sharded
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    # random tokens, different on every rank as in real data parallelism: speed does not depend on
+    # what the tokens say, and this skips the tokenizer
+    tokens = torch.randint(50257, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1000 + rank))
+    x, y, loss = tokens[:, :-1].to(device), tokens[:, 1:].to(device), []
 
+    def forward():
+        with autocast(device, torch.bfloat16 if device.type == "cuda" else None):
+            loss.append(wrapped(x, y)[1])
 
-def sharded_adamw(model, device):
-    """configure_optimizer's AdamW (same groups and betas), with its state sharded."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return ShardedOptimizer(groups, torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95),
-                            fused=device.type == "cuda")
-
-
-def measure_variant(key, comm, args, rank, device):
-    """Median ms of forward, backward, waiting for communication, optimizer step and the whole
-    step on this rank, and memory in bytes: allocated after init, peak before and with the step."""
-    cuda = device.type == "cuda"
-    torch.manual_seed(rank)
-    config = make_config(args.model, vocab_size=args.vocab)
-    with torch.device(device):
-        model = GPT(config)
-    wrapped = wrap(key, model, comm, args, device)
-    optimizer = sharded_adamw(model, device) if key == "sharded" else configure_optimizer(model, lr=3e-4)
-    init = torch.cuda.memory_allocated(device) if cuda else None
-    # random tokens, different on every rank as in real data parallelism: speed does not depend
-    # on what the tokens say, and this skips the tokenizer
-    g = torch.Generator().manual_seed(1000 + rank)
-    tokens = torch.randint(50257, (args.batch, args.seq + 1), generator=g).to(device)
-    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    finish = getattr(wrapped, "finish_gradient_synchronization", lambda: None)
-    phases, peaks = [], []
-    for step in range(args.warmup + args.steps):
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        # events on the compute stream: "backward" ends when its kernels do, and "wait" is only
-        # the time that stream then stalls for all-reduces that were not hidden behind backward
-        marks = [now(device)]
-        with autocast(device, torch.bfloat16 if cuda else None):
-            _, loss = wrapped(x, y)
-        marks.append(now(device))
-        loss.backward()
-        marks.append(now(device))
-        finish()
-        marks.append(now(device))
-        before = torch.cuda.max_memory_allocated(device) if cuda else None
+    def step():
         optimizer.step()
-        marks.append(now(device))
-        after = torch.cuda.max_memory_allocated(device) if cuda else None
-        # BucketDDP's gradients are views into its buckets: zeroing them in place (rather than
-        # dropping them) lets autograd accumulate straight into the bucket, with no copy per step
-        optimizer.zero_grad(set_to_none=not isinstance(wrapped, BucketDDP))
-        times = elapsed_ms(marks)
-        if step >= args.warmup:
-            phases.append(times + [sum(times)])
-            peaks.append((before, after))
-    return {"ms": [statistics.median(column) for column in zip(*phases)], "init": init,
-            "before": max(p[0] for p in peaks) if cuda else None,
-            "after": max(p[1] for p in peaks) if cuda else None}
+        # BucketDDP's gradients are views into its buckets: zeroing them in place lets autograd add
+        # straight into them. The others drop theirs: memory for the other variants of the round.
+        optimizer.zero_grad(set_to_none=key not in ("bucket", "sharded"))
+
+    return [forward, lambda: loss.pop().backward(), getattr(wrapped, "finish_gradient_synchronization", lambda: None), step]
+
+
+def groups_that_fit(rows, args, world, device):
+    """Split the rows into groups whose models fit on one GPU together, each group with the torch
+    DDP and no-comm rows to pair with."""
+    shared = [r for r in rows if r[1] in ("torch", "local") and r[2] == "fp32"]
+    others = [r for r in rows if r not in shared]
+    if device.type != "cuda" or not others:
+        return [shared + others]
+    config = make_config(args.model, vocab_size=args.vocab)
+    with torch.device("meta"):
+        weights = 4 * GPT(config).num_params()
+    # on top of what all keep: one step's gradients, and its activations (~34 bytes per token, layer and width in bf16)
+    budget = 0.9 * min(gather(torch.cuda.get_device_properties(device).total_memory)) - weights \
+        - 34 * args.batch * args.seq * config.n_embd * config.n_layer
+    groups = []
+    for row in others:
+        if not groups or sum(RESIDENT[k][0] + RESIDENT[k][1] / world for _, k, _ in groups[-1] + [row]) * weights > budget:
+            groups.append(list(shared))
+        groups[-1].append(row)
+    return groups
+
+
+def time_group(group, results, args, rank, device):
+    """Build and warm up each variant of the group (its own peak memory: the peak while it warmed
+    up, less what the others already held), time them interleaved, then split their steps into
+    phases. A variant out of memory on any rank is out on all of them."""
+    cuda, live, peaks, local = device.type == "cuda", {}, {}, LABELS["local"]
+
+    def sync():  # every rank finishes a round before any starts the next
+        synchronize(device)
+        dist.barrier()
+
+    for label, key, dtype in group:
+        try:
+            synchronize(device)
+            before = torch.cuda.memory_allocated(device) if cuda else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            live[label] = make_step(key, dtype, args, rank, device)
+            for _ in range(args.warmup):
+                for phase in live[label]:
+                    phase()
+            synchronize(device)
+            peaks[label] = torch.cuda.max_memory_allocated(device) - before if cuda else None
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_oom(e):
+                raise
+            live.pop(label, None)
+        free_memory()  # (outside the except block, whose traceback holds the tensors)
+    fits = [all(ok) for ok in zip(*gather([label in live for label, _, _ in group]))]
+    live = {label: live[label] for (label, _, _), ok in zip(group, fits) if ok}
+    results.update({label: {"oom": True} for label, _, _ in group if label not in live and label not in results})
+    steps = {label: (lambda phases=phases: [phase() for phase in phases]) for label, phases in live.items()}
+    every = gather(time_rounds(steps, device, args.rounds, args.steps, warmup=0, sync=sync)[0])
+    times = {label: [max(r[label][i] for r in every) for i in range(args.rounds)] for label in live}  # slowest rank's
+    timings = summarize(times, baseline=LABELS["torch"] if LABELS["torch"] in times else None)
+    for label, phases in live.items():
+        split = []
+        for _ in range(args.steps):  # the instrumented pass: an event between the phases
+            sync()
+            marks = [clock(device)]
+            for phase in phases:
+                phase()
+                marks.append(clock(device))
+            split.append([elapsed_ms(a, b) for a, b in zip(marks, marks[1:])])
+        results.setdefault(label, {
+            "oom": False, "timing": vars(timings[label]), "peak": max(gather(peaks[label])) if cuda else None,
+            "phases": [statistics.fmean(c) for c in zip(*gather([statistics.median(c) for c in zip(*split)]))],
+            "exposed": statistics.median(a - b for a, b in zip(times[label], times[local])) if local in times else None})
+    return timings[LABELS["torch"]].median if LABELS["torch"] in timings else None
 
 
 def benchmark_worker(rank, world, device, args):
     set_tf32(True)
-    results = []
-    for label, key, comm in variant_list(args):
-        try:
-            mine = measure_variant(key, COMM_DTYPES[comm], args, rank, device)
-        except torch.OutOfMemoryError:
-            mine = None  # reported as OOM; identical ranks run out at the same point
-        gc.collect()  # reference cycles (modules, torch's DDP) would keep this model on the GPU
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        ranks = gather(mine)
-        ok = all(r is not None for r in ranks)
-        row = {"label": label, "key": key, "comm": comm, "oom": not ok}
-        if ok:  # times averaged over ranks, memory the largest rank's
-            row["ms"] = [statistics.fmean(col) for col in zip(*(r["ms"] for r in ranks))]
-            for k in ("init", "before", "after"):
-                row[k] = None if ranks[0][k] is None else max(r[k] for r in ranks)
-        results.append(row)
+    results, groups = {}, groups_that_fit(variant_list(args), args, world, device)
+    baselines = []  # torch DDP's median in each group
+    for g, group in enumerate(groups):
         if rank == 0:
-            print(f"  {label}: " + ("OOM" if not ok else f"{row['ms'][-1]:.1f} ms/step"), flush=True)
-    return results
+            print(f"  group {g + 1} of {len(groups)}: {', '.join(label for label, _, _ in group)}", flush=True)
+        baselines.append(time_group(group, results, args, rank, device))
+        free_memory()  # the group's models are gone with time_group's frame
+    return {"rows": results, "baselines": [b for b in baselines if b], "groups": len(groups)}
 
 
-def benchmark_table(results):
-    def step_of(key, comm="fp32"):
-        return next((r["ms"][-1] for r in results if r["key"] == key and r["comm"] == comm and not r["oom"]), None)
-
-    local, torch_ddp = step_of("local"), step_of("torch")
-    rows = []
-    for r in results:
-        if r["oom"]:
-            rows.append([r["label"]] + ["OOM"] * 10)
-            continue
-        fwd, bwd, wait, opt, step = r["ms"]
-        rows.append([r["label"], f"{fwd:.1f}", f"{bwd:.1f}",
-                     "in bwd" if r["key"] == "torch" else "-" if r["key"] == "local" else f"{wait:.1f}",
-                     f"{opt:.1f}", f"{step:.1f}",
-                     "n/a" if local is None else f"{max(0.0, 1 - local / step):.0%}",
-                     "n/a" if torch_ddp is None else f"{step / torch_ddp:.2f}x",
-                     *("n/a" if r[k] is None else gib(r[k]) for k in ("init", "before", "after"))])
-    print_table(["variant", "fwd ms", "bwd ms", "comm wait ms", "optim ms", "step ms", "comm share",
-                 "vs torch DDP", "init GiB", "peak to sync GiB", "peak w/ optim GiB"], rows)
-    print("median over steps, averaged over ranks; memory: allocated, the largest rank's. comm share = "
-          "(step - local step) / step, the part of the step data parallelism costs; torch DDP waits "
-          "inside its backward.")
-    parts = [f"{label} {step:.1f} ms" + (f" ({step / torch_ddp:.2f}x torch DDP)" if torch_ddp else "")
-             for label, step in (("BucketDDP", step_of("bucket")), ("BucketDDP bf16", step_of("bucket", "bf16")))
-             if step is not None]
-    parts += [f"{label} {step:.1f} ms" for label, step in (("torch DDP", torch_ddp), ("no comm", local)) if step]
-    sharded = next((r for r in results if r["key"] == "sharded" and r["comm"] == "fp32" and not r["oom"]), None)
-    plain = next((r for r in results if r["key"] == "bucket" and r["comm"] == "fp32" and not r["oom"]), None)
-    if sharded and plain and plain["after"] is not None:
-        parts.append(f"ShardedOptimizer peak {gib(sharded['after'])} vs {gib(plain['after'])} GiB")
-    print("summary: " + ("; ".join(parts) if parts else "no variant ran"))
+def print_benchmark(out, args, world):
+    rows, base = out["rows"], out["rows"].get(LABELS["torch"], {})
+    vs = lambda r: f" ({r['peak'] / base['peak']:.2f}x)" if r.get("peak") and base.get("peak") else ""  # noqa: E731
+    print_table(["variant", "step ms", "vs torch DDP (paired)", "exposed comm ms", "fwd ms", "bwd ms", "wait ms",
+                 "optim ms", "peak GiB (vs torch DDP)"],
+                [[label] + ["OOM"] * 8 if r["oom"] else
+                 [label, Timing(**r["timing"]).ms(1), Timing(**r["timing"]).vs(),
+                  "-" if r["exposed"] is None or label == LABELS["local"] else f"{r['exposed']:.1f}",
+                  *(f"{ms:.1f}" for ms in r["phases"]), "n/a" if r["peak"] is None else gib(r["peak"]) + vs(r)]
+                 for label, r in rows.items()])
+    spread = out["baselines"]
+    print(f"step: median (min-max) over {args.rounds} rounds of {args.steps} steps, a round's time the slowest rank's; "
+          "ratios paired within rounds. exposed comm: median of (step - no-comm step). fwd/bwd/wait/optim: a separate "
+          "pass, mean over ranks (torch DDP and FSDP2 wait inside bwd). peak: allocated, the variant's own, largest rank"
+          + (f". {out['groups']} groups to fit in memory: torch DDP {min(spread):.1f}-{max(spread):.1f} ms across them"
+             if len(spread) > 1 else ""))
+    done = {label: r for label, r in rows.items() if not r["oom"]}
+    if args.plot:
+        fig, ax = plot_to(args.plot).subplots(figsize=(8, 1 + 0.4 * len(done)))
+        for k, phase in enumerate(["forward", "backward", "comm wait", "optimizer"]):
+            ax.barh(list(done), [r["phases"][k] for r in done.values()], left=[sum(r["phases"][:k]) for r in done.values()], label=phase)
+        ax.invert_yaxis()
+        ax.set(xlabel="ms per step (instrumented pass)", title=f"GPT {args.model}, {world} ranks, B={args.batch} T={args.seq}")
+        ax.legend()
+        fig.savefig(args.plot, bbox_inches="tight")
+        print(f"plot saved to {args.plot}")
+    parts = [f"{label} {r['timing']['ratio']:.2f}x{vs(r)}" for label, r in done.items() if r["timing"]["ratio"] and label != LABELS["torch"]]
+    print("summary: step (memory) vs torch DDP's: " + ("; ".join(parts) if parts else "no torch DDP row to compare with"))
 
 
-def run_benchmark(args, world, backend):
+# --- 6. launching ranks (our own on 127.0.0.1, or torchrun's) and the command line
+
+
+def gather(obj):
+    """obj from every rank, as a list indexed by rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run_rank(rank, world, backend, worker, args, init_method, out):
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # ranks share the cores: left alone, each would start a thread per core and they thrash
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    # the timeout turns a rank that never arrives (a crash, an OOM on one GPU) into an error
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=args.timeout), device_id=device if device.type == "cuda" else None)
+    try:
+        result = worker(rank, world, device, args)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0 and out:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    return result if rank == 0 else None
+
+
+def launch(worker, world, backend, args):
+    """worker(rank, world, device, args) on every rank; rank 0's result (None on torchrun's other
+    ranks). Our ranks are forked on the CPU (they inherit the imported torch) and spawned on GPUs
+    (CUDA does not survive a fork); rank 0 hands its result back in a file."""
+    if "RANK" in os.environ:  # started by torchrun
+        return run_rank(int(os.environ["RANK"]), world, backend, worker, args, "env://", None)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # no line per rank stopped
+    with tempfile.TemporaryDirectory() as tmp:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init, out = f"tcp://127.0.0.1:{s.getsockname()[1]}", os.path.join(tmp, "result.json")
+        try:
+            mp.start_processes(run_rank, args=(world, backend, worker, args, init, out), nprocs=world,
+                               start_method="spawn" if backend == "nccl" else "fork")
+        except mp.ProcessRaisedException as e:  # a bug: its traceback
+            print(f"error: rank {e.error_index} failed:\n{e}", file=sys.stderr)
+            sys.exit(1)
+        except mp.ProcessExitedException as e:  # a rank called fail() and said why (2), or was killed
+            if e.exit_code is not None and e.exit_code < 0:
+                name = signal.Signals(-e.exit_code).name
+                fail(f"rank {e.error_index} was killed by {name}" + " (out of memory?)" * (name == "SIGKILL"))
+            sys.exit(e.exit_code or 1)
+        with open(out) as f:
+            return json.load(f)
+
+
+def check_launch(world, backend, rank_bytes, what):
+    """Exit 2 with one sentence before starting ranks this machine cannot hold."""
+    if world < 1:
+        fail(f"--world must be at least 1, got {world}")
+    if "RANK" in os.environ:  # torchrun started the ranks
+        if world != int(os.environ["WORLD_SIZE"]):
+            fail(f"--world {world} differs from torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")
+        return
+    if backend == "nccl" and world > torch.cuda.device_count():
+        fail(f"--world {world} is more than the {torch.cuda.device_count()} GPUs on this machine")
+    # a spawned GPU rank imports torch and makes a CUDA context (~2 GiB of host memory); a forked
+    # CPU rank shares the parent's torch but holds its own models
+    need = world * (rank_bytes + (2**31 if backend == "nccl" else 2**28))
+    meminfo = open("/proc/meminfo").read() if os.path.exists("/proc/meminfo") else ""
+    free = next((int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")), None)
+    if free is not None and need > free:
+        fail(f"{what} on {world} ranks needs about {gib(need)} GiB of host memory; {gib(free)} GiB are free")
+
+
+def parse_list(text, parse, flag, choices=None):
+    try:
+        values = [parse(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        fail(f"{flag}: {e}")
+    bad = [v for v in values if choices and (v.partition(":")[0] not in choices or v.partition(":")[2] not in ("", "fp32", "bf16"))]
+    if not values or bad:
+        fail(f"{flag}: " + (f"unknown '{bad[0]}'; choose from {', '.join(choices)}" if bad else "empty"))
+    return values
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="All-reduce bandwidth and data-parallel training: DDP, ZeRO, FSDP.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ar = sub.add_parser("allreduce", help="all-reduce time and bandwidth table")
+    ar.add_argument("--world", help="comma-separated world sizes (default 2,4,6,8 as GPUs allow; 2 on CPU)")
+    ar.add_argument("--sizes", help="float32 buffer sizes, K/M/G = 2^10/2^20/2^30 bytes (default 1M,10M,100M,1G; 4K,64K,1M on CPU)")
+    ar.add_argument("--reps", type=int, default=20, help="timed runs per size (median reported)")
+    bm = sub.add_parser("benchmark", help="a GPT training step under every variant, interleaved in rounds")
+    bm.add_argument("--model", help="preset (default xl on GPU, tiny on CPU)")
+    bm.add_argument("--batch", type=int, help="sequences per rank (default 4; 2 on CPU)")
+    bm.add_argument("--seq", type=int, help="context length (default 512; 32 on CPU)")
+    bm.add_argument("--vocab", type=int, default=50304, help="vocabulary, padded to a multiple of 128")
+    bm.add_argument("--rounds", type=int, help="interleaved rounds (default 30: with 8, paired ratios moved 12%% between runs; 2 on CPU)")
+    bm.add_argument("--steps", type=int, default=3, help="steps per variant per round, and in the instrumented pass")
+    bm.add_argument("--variants", default=",".join(LABELS), help=f"any of {','.join(LABELS)}; key:bf16 or key:fp32 for one dtype")
+    bm.add_argument("--comm-dtype", default="fp32,bf16", help="fp32, bf16 or both: what torch/bucket/sharded/zero2 send and fsdp computes with")
+    bm.add_argument("--bucket-mb", type=float, default=25, help="bucket size for BucketDDP, ZeRO and torch DDP")
+    st = sub.add_parser("selftest", help="every wrapper against one process on the whole batch")
+    st.add_argument("--steps", type=int, default=3, help="training steps compared")
+    st.add_argument("--save", help="write every rank's weights and the initial ones to this file")
+    for p in (ar, bm):
+        p.add_argument("--warmup", type=int, help="untimed runs first (default 5 per size; 3 steps per variant, 1 on CPU)")
+    bm.add_argument("--plot", help="save the step split per variant to this PNG (needs matplotlib)")
+    for p in (bm, st):
+        p.add_argument("--world", type=int, help="ranks (default 2, or torchrun's)")
+    for p in (ar, bm, st):
+        p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: nccl with GPUs, else gloo")
+        p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before the run fails")
+    args = parser.parse_args(argv)
+
+    gpu = (args.backend == "nccl") or (args.backend == "auto" and torch.cuda.is_available())
+    args.backend = "nccl" if gpu else "gloo"
+    if gpu and not torch.cuda.is_available():
+        fail("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo")
+    for flag, least in (("reps", 1), ("steps", 1), ("batch", 1), ("seq", 1), ("rounds", 1), ("timeout", 1), ("vocab", 1),
+                        ("warmup", 1 if args.command == "benchmark" else 0), ("bucket_mb", 0.001), ("world", 1)):
+        if isinstance(getattr(args, flag, None), (int, float)) and getattr(args, flag) < least:
+            fail(f"--{flag.replace('_', '-')} must be at least {least:g}, got {getattr(args, flag):g}")
+    try:
+        if getattr(args, "plot", None):
+            plot_to(args.plot)
+        if getattr(args, "save", None) is not None:
+            check_output_path(args.save, "--save")
+    except ValueError as e:
+        fail(str(e))
+    if int(os.environ.get("RANK", 0)) != 0:  # under torchrun only rank 0 prints
+        sys.stdout = open(os.devnull, "w")
+    default_world = int(os.environ.get("WORLD_SIZE", 2)) if "RANK" in os.environ else 2
+    if args.command == "allreduce":
+        gpus, args.warmup = torch.cuda.device_count() if gpu else 0, 5 if args.warmup is None else args.warmup
+        worlds = parse_list(args.world, int, "--world") if args.world else \
+            [default_world] if "RANK" in os.environ else [w for w in (2, 4, 6, 8) if w <= gpus] or [gpus or 2]
+        args.size_bytes = parse_list(args.sizes or ("1M,10M,100M,1G" if gpu else "4K,64K,1M"), parse_size, "--sizes")
+        big, memory = max(args.size_bytes), torch.cuda.get_device_properties(0).total_memory if gpu else 0
+        if gpu and big > 0.9 * memory:
+            fail(f"--sizes {size_label(big)}: the buffer does not fit in one {torch.cuda.get_device_name(0)} ({gib(memory)} GiB)")
+        for world in worlds:
+            check_launch(world, args.backend, 0 if gpu else 2 * big, f"an all-reduce of {size_label(big)}")
+        return run_allreduce(args, worlds, args.backend)
+    world = default_world if args.world is None else args.world
+    if args.command == "selftest":
+        if world > 8:
+            fail(f"--world {world}: the selftest's batch of 8 sequences splits over at most 8 ranks")
+        check_launch(world, args.backend, 0, "the selftest")
+        print(f"selftest: every wrapper on {world} ranks ({args.backend}) vs one process on the whole batch, {args.steps} steps")
+        rows = launch(selftest_worker, world, args.backend, args)
+        if rows is None:
+            return
+        print_table(["variant", "max |rank - rank 0| at start", "max |w - reference| at end", "tolerance", "result"], rows)
+        failed = [r[0] for r in rows if r[-1] != "ok"]
+        print(f"selftest: {len(rows) - len(failed)} of {len(rows)} variants match one-process training"
+              + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+        sys.exit(1 if failed else 0)
+    for flag, gpu_value, cpu_value in (("model", "xl", "tiny"), ("batch", 4, 2), ("seq", 512, 32), ("rounds", 30, 2), ("warmup", 3, 1)):
+        setattr(args, flag, getattr(args, flag) or (gpu_value if gpu else cpu_value))
     try:
         config = make_config(args.model, vocab_size=args.vocab)
     except ValueError as e:
         fail(str(e))
     if args.seq > config.block_size:
         fail(f"--seq {args.seq} is longer than the {args.model} block size {config.block_size}")
+    args.variants = parse_list(args.variants, str, "--variants", LABELS)
+    args.comm_dtypes = parse_list(args.comm_dtype, str, "--comm-dtype", ("fp32", "bf16"))
     with torch.device("meta"):
-        n = GPT(config).num_params()
-    where = (f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast" if backend == "nccl"
-             else f"{world} CPU processes over gloo, fp32 (no GPU: a smoke run, not a measurement)")
-    print(f"data-parallel GPT {args.model} ({n / 1e6:.0f}M parameters) on {where}, torch {torch.__version__}: "
-          f"B={args.batch} per rank, T={args.seq}, AdamW (fused on GPU), median of {args.steps} steps after {args.warmup} warm-up")
-    results = launch(benchmark_worker, world, backend, args)
-    if results is not None:
-        benchmark_table(results)
-
-
-# --- 6. command line
-
-
-def positive_list(text, parse, flag):
-    try:
-        values = [parse(v) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        fail(f"{flag}: {e}")
-    if not values:
-        fail(f"{flag} is empty")
-    return values
-
-
-def main():
-    parser = argparse.ArgumentParser(description="All-reduce bandwidth and data-parallel training, "
-                                     "from one all-reduce per gradient to buckets and ZeRO-1.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    ar = sub.add_parser("allreduce", help="all-reduce time and bandwidth table")
-    ar.add_argument("--world", help="comma-separated world sizes (default 2,4,6,8 as GPUs allow; 2 on CPU)")
-    ar.add_argument("--sizes", help="float32 buffer sizes, K/M/G = 2^10/2^20/2^30 bytes "
-                    "(default 1M,10M,100M,1G; 4K,64K,1M on CPU)")
-    ar.add_argument("--reps", type=int, default=20, help="timed runs per size (median reported)")
-    ar.add_argument("--warmup", type=int, default=5)
-    ar.add_argument("--plot", help="save a bus-bandwidth plot to this PNG (needs matplotlib)")
-    bm = sub.add_parser("benchmark", help="GPT training step under every wrapper")
-    bm.add_argument("--world", type=int, help="ranks (default 2, or torchrun's)")
-    bm.add_argument("--model", help="preset (default xl on GPU, tiny on CPU)")
-    bm.add_argument("--batch", type=int, help="sequences per rank (default 4; 2 on CPU)")
-    bm.add_argument("--seq", type=int, help="context length (default 512; 32 on CPU)")
-    bm.add_argument("--vocab", type=int, default=50304, help="vocabulary, padded to a multiple of 128")
-    bm.add_argument("--steps", type=int, help="timed steps (default 20; 2 on CPU)")
-    bm.add_argument("--warmup", type=int, help="untimed steps first (default 5; 1 on CPU)")
-    bm.add_argument("--variants", default=",".join(LABELS), help=f"any of {','.join(LABELS)}")
-    bm.add_argument("--comm-dtype", default="fp32,bf16", help="fp32, bf16 or both, for torch/overlap/bucket/sharded")
-    bm.add_argument("--bucket-mb", type=float, default=25, help="bucket size for BucketDDP and torch DDP")
-    st = sub.add_parser("selftest", help="every wrapper against one process on the whole batch")
-    st.add_argument("--world", type=int, help="ranks (default 2, or torchrun's)")
-    st.add_argument("--steps", type=int, default=3)
-    st.add_argument("--save", help="write every rank's weights and the initial ones to this file")
-    for p in (ar, bm, st):
-        p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                       help="auto: nccl when there is a GPU, else gloo on the CPU")
-        p.add_argument("--timeout", type=float, default=120,
-                       help="seconds a collective may wait before the run fails instead of hanging")
-    args = parser.parse_args()
-
-    cuda = torch.cuda.is_available()
-    backend = args.backend = args.backend if args.backend != "auto" else "nccl" if cuda else "gloo"
-    gpus = torch.cuda.device_count() if backend == "nccl" else 0
-    default_world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2
-    for flag, least in (("reps", 1), ("steps", 1), ("batch", 1), ("seq", 1), ("timeout", 1), ("warmup", 0)):
-        if getattr(args, flag, None) is not None and getattr(args, flag) < least:
-            fail(f"--{flag} must be at least {least}")
-    if int(os.environ.get("RANK", 0)) != 0:  # under torchrun only rank 0 prints
-        sys.stdout = open(os.devnull, "w")
-
-    if args.command == "allreduce":
-        defaults = [w for w in (2, 4, 6, 8) if w <= gpus] if gpus else [2]
-        worlds = positive_list(args.world, int, "--world") if args.world else defaults or [gpus]
-        if under_torchrun() and not args.world:
-            worlds = [default_world]
-        args.size_bytes = positive_list(args.sizes or ("1M,10M,100M,1G" if gpus else "4K,64K,1M"),
-                                        parse_size, "--sizes")
-        for world in worlds:
-            check_launch(world, backend)
-        run_allreduce(args, worlds, backend)
-        return
-    world = default_world if args.world is None else args.world
-    check_launch(world, backend)
-    if args.command == "selftest":
-        run_selftest(args, world, backend)
-        return
-    on_gpu = backend == "nccl"
-    for flag, gpu_value, cpu_value in (("model", "xl", "tiny"), ("batch", 4, 2), ("seq", 512, 32),
-                                       ("steps", 20, 2), ("warmup", 5, 1)):
-        if getattr(args, flag) is None:
-            setattr(args, flag, gpu_value if on_gpu else cpu_value)
-    args.variants = positive_list(args.variants, str.strip, "--variants")
-    args.comm_dtypes = positive_list(args.comm_dtype, str.strip, "--comm-dtype")
-    for v in args.variants:
-        if v not in LABELS:
-            fail(f"unknown variant '{v}'; choose from {', '.join(LABELS)}")
-    for c in args.comm_dtypes:
-        if c not in COMM_DTYPES:
-            fail(f"unknown --comm-dtype '{c}'; choose from fp32, bf16")
-    if args.bucket_mb <= 0:
-        fail("--bucket-mb must be positive")
-    run_benchmark(args, world, backend)
+        weights = 4 * GPT(config).num_params()
+    # on the CPU all the variants live in each rank's memory at once; a GPU holds them itself
+    check_launch(world, args.backend, 0 if gpu else int(weights * (1 + sum(sum(RESIDENT[k]) for _, k, _ in variant_list(args)))),
+                 f"the benchmark of GPT {args.model}")
+    print(f"data-parallel GPT {args.model} ({weights / 4e6:.0f}M parameters) on "
+          + (f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast" if gpu else
+             f"{world} CPU processes over gloo, fp32 (no GPU: a smoke run, not a measurement)")
+          + f", torch {torch.__version__}: B={args.batch} per rank, T={args.seq}, AdamW; {args.rounds} rounds of "
+          f"{args.steps} steps per variant after {args.warmup} warm-up")
+    out = launch(benchmark_worker, world, args.backend, args)
+    if out is not None:
+        print_benchmark(out, args, world)
 
 
 if __name__ == "__main__":

@@ -1075,96 +1075,128 @@ def test_memory_account_phases_match_live_bytes():
     assert phases == {"backward start", "backward end"}, phases
 
 
-# --- 7. ddp.py: DDP classes equal one process, sharded optimizer, all-reduce
+# --- 7. ddp.py: every wrapper, ZeRO and FSDP equal one process; the interleaved benchmark; bad input
 
-def test_ddp_wrappers_match_one_process():
-    """Every wrapper on 2 gloo ranks, each on its half of every batch, ends with the weights of one
-    process trained on the whole batch (recomputed here); ranks start from different seeds but
-    agree right after construction; the frozen layer stays put and the tied pair stays tied;
-    ShardedOptimizer (AdamW, weight decay, a group added after construction) equals plain AdamW
-    while each rank holds only part of the state."""
+def test_ddp_selftest_matches_one_process():
+    """On 4 gloo ranks, each on its quarter of every batch, every wrapper ends with the weights of
+    one process on the whole batch: the DDP classes, ZeRO-1 and ZeRO-2 (AdamW, a group added after
+    construction), FSDP with SGD and AdamW in fp32, and FSDP with fp16 compute against one process
+    that casts the weights the same way. The script checks that (and FSDP's gradient shapes, dtypes
+    and bitwise-equal replicated gradients) and exits 1 on a mismatch; here the saved weights are
+    checked again against a recomputation, and the ZeRO optimizers' state is split between ranks."""
     import ddp
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "weights.pt")
-        run("ddp.py", "selftest", "--world", 2, "--backend", "gloo", "--timeout", 60, "--save", path,
-            timeout=240)
+        code, out, err = call_main("ddp.py", "selftest", "--world", 4, "--backend", "gloo", "--save", path)
         saved = torch.load(path)
-    assert set(saved["variants"]) == set(ddp.TOY_VARIANTS)
-    for name, v in saved["variants"].items():
-        tol = ddp.TOY_VARIANTS[name][-1]
-        initial, final = v["initial"], v["final"]
-        for key in initial[0]:
-            assert torch.equal(initial[0][key], initial[1][key]), f"{name}: ranks differ in {key} at start"
+    n = len(ddp.TOY_VARIANTS)
+    assert code == 0 and f"{n} of {n} variants match" in out, out + err
+    for name in ("zero2-adamw", "fsdp"):
+        v = saved["variants"][name]
         reference = ddp.ToyModel()
-        reference.load_state_dict(initial[0])
-        ddp.train_toy(reference, ddp.toy_optimizer(reference, v["optimizer"]), saved["steps"])
-        for rank, state in enumerate(final):
-            for key, w in reference.state_dict().items():
-                torch.testing.assert_close(state[key], w, atol=tol, rtol=0, msg=f"{name} rank {rank} {key}")
-            assert torch.equal(state["frozen.weight"], initial[0]["frozen.weight"]), name
-            assert torch.equal(state["out.weight"], state["embed.weight"]), name
-            assert not torch.equal(state["hidden.weight"], initial[0]["hidden.weight"]), f"{name} did not train"
-    held = saved["variants"]["sharded-adamw"]["state_held"]
+        reference.load_state_dict(v["initial"][0], strict=False)
+        ddp.train_toy(reference, ddp.toy_optimizer(reference, v["optimizer"].removeprefix("zero-")), saved["steps"])
+        for rank, state in enumerate(v["final"]):
+            for key, w in ddp.toy_state(reference).items():
+                torch.testing.assert_close(state[key], w, atol=2e-6, rtol=0, msg=f"{name} rank {rank} {key}")
+            assert torch.equal(state["frozen.weight"], v["initial"][0]["frozen.weight"]), name
+            assert not torch.equal(state["embed.weight"], v["initial"][0]["embed.weight"]), f"{name} did not train"
     trainable = sum(p.numel() for p in reference.parameters() if p.requires_grad)
-    assert sum(held) == trainable and max(held) < trainable, held
-
-
-def test_ddp_allreduce_tiny():
-    """The all-reduce table runs at tiny sizes on 2 gloo ranks; with 2 ranks the bus bandwidth
-    factor 2(n-1)/n is 1, so busbw equals algbw."""
-    proc = run("ddp.py", "allreduce", "--world", 2, "--backend", "gloo", "--sizes", "4K,64K", "--reps", 3,
-               "--warmup", 1, "--timeout", 60, timeout=180)
-    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("2 ")]
-    assert [r[1:3] for r in rows] == [["4", "KiB"], ["64", "KiB"]], proc.stdout
-    for r in rows:
-        ms, algbw, busbw = map(float, r[-3:])
-        assert ms > 0 and busbw == algbw
-    assert "2(n-1)/n" in proc.stdout and proc.stdout.splitlines()[-1].startswith("summary:")
+    for name in ("zero1-adamw", "zero2-adamw"):
+        held = saved["variants"][name]["state_held"]
+        assert sum(held) == trainable and max(held) < trainable, (name, held)
 
 
 def test_ddp_benchmark_cpu_smoke():
-    """The benchmark runs each chosen wrapper and torch's DDP in one run and prints a row each."""
-    proc = run("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--variants", "local,torch,bucket,sharded",
-               "--steps", 1, "--warmup", 0, "--seq", 16, "--timeout", 60, timeout=240)
-    lines = proc.stdout.splitlines()
-    for label in ("local (no comm)", "torch DDP", "BucketDDP", "BucketDDP bf16 comm", "BucketDDP + ShardedOpt"):
-        row = next((line for line in lines if line.startswith(label + "  ")), None)
-        assert row is not None, f"no row for {label}:\n{proc.stdout}"
-        step_ms = float(row[len(label):].split()[4])
-        assert step_ms > 0
-    assert lines[-1].startswith("summary: BucketDDP"), lines[-1]
+    """The interleaved benchmark on 2 gloo ranks: torch DDP, ZeRO-2, our FSDP (bf16 compute) and
+    PyTorch's FSDP2 each get a row with a step time, a paired ratio to torch DDP and the phase split."""
+    import importlib.util
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plot = ["--plot", os.path.join(tmp, "ddp.png")] if importlib.util.find_spec("matplotlib") else []
+        code, out, err = call_main("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--rounds", 1, "--steps", 1,
+                                   "--warmup", 1, "--variants", "local,torch,zero2,fsdp:bf16,fsdp2", "--comm-dtype", "fp32", *plot)
+        assert code == 0, out + err
+        assert not plot or os.path.getsize(plot[1]) > 0
+    for label in ("local (no comm)", "torch DDP", "ZeRO-2", "FSDP bf16 compute", "torch FSDP2"):
+        row = next((line for line in out.splitlines() if line.startswith(label + "  ")), None)
+        assert row is not None, f"no row for {label}:\n{out}"
+        step, ratio = float(row[len(label):].split()[0]), row.split("x (")[0].split()[-1]
+        assert step > 0 and float(ratio) > 0 and len(row.split()) >= 10, row
+    assert out.splitlines()[-1].startswith("summary: step (memory) vs torch DDP's: local (no comm)"), out
 
 
-def test_ddp_bad_launch_args():
-    assert_bad_input("ddp.py", "benchmark", "--world", "0", says="--world must be at least 1")
-    assert_bad_input("ddp.py", "allreduce", "--sizes", "3B", says="not a whole number")
-    if HAS_CUDA:
-        n = torch.cuda.device_count()
-        assert_bad_input("ddp.py", "benchmark", "--world", n + 1, says=f"more than the {n} GPUs")
-    else:
-        assert_bad_input("ddp.py", "selftest", "--backend", "nccl", says="nccl needs CUDA")
+def test_ddp_allreduce_tiny():
+    """The all-reduce table at tiny sizes on 2 gloo ranks: with 2 ranks the bus bandwidth factor
+    2(n-1)/n is 1, so busbw equals algbw."""
+    code, out, err = call_main("ddp.py", "allreduce", "--world", 2, "--backend", "gloo", "--sizes", "4K,64K", "--reps", 3, "--warmup", 1)
+    rows = [line.split() for line in out.splitlines() if line.startswith("2 ")]
+    assert code == 0 and [r[1:3] for r in rows] == [["4", "KiB"], ["64", "KiB"]], out + err
+    assert all(float(r[-3]) > 0 and r[-1] == r[-2] for r in rows) and out.splitlines()[-1].startswith("summary:")
+
+
+def test_ddp_rank_killed_is_one_line():
+    """A rank the kernel kills (here: SIGKILL to itself) is reported in one line, exit 2."""
+    import contextlib
+    import io
+    import signal
+    import types
+
+    import ddp
+
+    def worker(rank, world, device, args):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            ddp.launch(worker, 2, "gloo", types.SimpleNamespace(timeout=30))
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    assert code == 2 and err.getvalue().strip() == "error: rank 1 was killed by SIGKILL (out of memory?)", err.getvalue()
+
+
+def test_ddp_bad_inputs():
+    with tempfile.TemporaryDirectory() as tmp:
+        missing = os.path.join(tmp, "missing", "file")
+        check_bad_inputs([("ddp.py", args.split(), says) for args, says in [
+            ("benchmark --world 0", "--world must be at least 1"), ("selftest --world 9", "at most 8 ranks"),
+            ("benchmark --world 4096", f"more than the {torch.cuda.device_count()} GPUs" if HAS_CUDA else "GiB of host memory"),
+            (f"selftest --save {missing}", "does not exist"), (f"selftest --save {tmp}", "is a directory"),
+            (f"benchmark --plot {missing}", "--plot"), ("selftest --steps 0", "--steps must be at least 1"),
+            ("allreduce --sizes 3B", "not a whole number"), ("allreduce --sizes 4096G", "4096 GiB"),
+            ("allreduce --reps 0", "--reps must be at least 1"), ("allreduce --warmup -1", "--warmup must be at least 0"),
+            ("allreduce --world 2,x", "--world"), ("benchmark --rounds 0", "--rounds must be at least 1"),
+            ("benchmark --warmup 0", "--warmup must be at least 1"), ("benchmark --batch 0", "--batch must be at least 1"),
+            ("benchmark --seq 100000", "block size"), ("benchmark --model banana", "unknown model"),
+            ("benchmark --vocab 100", "below the tokenizer"), ("benchmark --variants fsdp,bogus", "unknown 'bogus'"),
+            ("benchmark --variants fsdp:fp8", "unknown 'fsdp:fp8'"), ("benchmark --comm-dtype fp8", "unknown 'fp8'"),
+            ("benchmark --bucket-mb 0", "--bucket-mb must be at least"), ("benchmark --timeout 0", "--timeout must be at least 1"),
+        ] + ([] if HAS_CUDA else [("selftest --backend nccl", "needs CUDA")])])
 
 
 @gpu
 def test_ddp_selftest_nccl():
-    """The same agreement on GPUs over NCCL (ReduceOp.AVG, CUDA streams); the script compares
-    against a one-process run on the same GPU and exits 1 on any mismatch."""
+    """The same agreement on GPUs over NCCL (ReduceOp.AVG, CUDA streams, FSDP's freed and refilled
+    weights, ZeRO-2's in-place all-gather); the script exits 1 on any mismatch."""
     world = min(2, torch.cuda.device_count())
     proc = run("ddp.py", "selftest", "--world", world, "--backend", "nccl", "--timeout", 120, timeout=300)
-    assert "7 of 7 variants match" in proc.stdout, proc.stdout
+    assert "10 of 10 variants match" in proc.stdout, proc.stdout
 
 
 @gpu
 def test_ddp_benchmark_gpu_smoke():
-    """The GPU paths of the benchmark (CUDA events, memory figures, fused AdamW, torch's bf16
-    hook) run for every variant on a small model; every row has numbers, none OOM."""
+    """The GPU paths of the benchmark (CUDA events, memory groups and figures, fused AdamW, torch's
+    bf16 hook, FSDP2) run for every variant on a small model: every row has numbers, none OOM."""
     world = min(2, torch.cuda.device_count())
-    proc = run("ddp.py", "benchmark", "--world", world, "--model", "tiny", "--batch", 2, "--seq", 64,
-               "--steps", 2, "--warmup", 1, "--timeout", 120, timeout=300)
-    table = proc.stdout.split("-----")[-1]
-    assert "OOM" not in table and "n/a" not in table.split("median over steps")[0], proc.stdout
-    assert "BucketDDP bf16 comm" in proc.stdout and "torch DDP bf16 comm" in proc.stdout
+    proc = run("ddp.py", "benchmark", "--world", world, "--model", "tiny", "--batch", 2, "--seq", 64, "--rounds", 2,
+               "--steps", 1, "--warmup", 1, "--timeout", 120, timeout=600)
+    table = proc.stdout.split("-----")[-1].split("\nstep: median")[0]
+    assert "OOM" not in table and "n/a" not in table, proc.stdout
+    assert all(label in table for label in ("BucketDDP bf16 comm", "torch DDP bf16 comm", "ZeRO-2", "FSDP bf16 compute", "torch FSDP2"))
 
 
 # --- 8. flash_triton.py: both autograd Functions vs a float64 reference, the saved logsumexp, determinism
