@@ -461,41 +461,27 @@ def train_step(model, optimizer, x, y, dtype=None, scaler=None):
     return loss.detach()
 
 
-def matmul_params(config):
-    """Parameters that take part in a matmul per token: every block's weights and the output
-    layer (tied to wte). The position table is a lookup, so it is left out."""
-    d, L = config.n_embd, config.n_layer
-    per_block = 4 * d * d + 2 * d * config.d_ff  # qkv + attention proj + the two MLP matrices
-    return L * per_block + config.vocab_size * d
-
-
 def flops_per_token(config, seq_len):
-    """Training FLOPs (forward + backward) per token: 6 per matmul parameter (2 forward, 4
-    backward) plus attention's QK^T and PV, 12 * n_layer * n_embd * seq_len, counted without
-    the causal halving as PaLM's MFU does."""
-    return 6 * matmul_params(config) + 12 * config.n_layer * config.n_embd * seq_len
+    """Training FLOPs (forward + backward) per token: 6 per parameter that takes part in a matmul
+    (2 forward, 4 backward: the blocks' weights and the tied output layer, not the position
+    lookup) plus attention's QK^T and PV, 12 * n_layer * n_embd * seq_len, counted without the
+    causal halving as PaLM's MFU does."""
+    d, L = config.n_embd, config.n_layer
+    matmul_params = L * (4 * d * d + 2 * d * config.d_ff) + config.vocab_size * d
+    return 6 * matmul_params + 12 * L * d * seq_len
 
 
-# Dense bf16 tensor-core peak per GPU, matched on torch.cuda.get_device_name() (first match wins).
-GPU_PEAK_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM, reported as "NVIDIA H100 80GB HBM3"
-    ("H200", 989e12),
-    ("GH200", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-)
+# Dense bf16 tensor-core peak per GPU, matched on torch.cuda.get_device_name() (first match wins;
+# "H100" alone is the SXM part, which reports itself as "NVIDIA H100 80GB HBM3").
+GPU_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+                  ("GH200", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12))
 
 
 def gpu_peak_flops(device):
     """bf16 dense peak of the device's GPU in FLOP/s, or None if unknown (or not a GPU)."""
-    device = torch.device(device)
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in GPU_PEAK_FLOPS if key in name), None)
+    return next((peak for key, peak in GPU_PEAK_FLOPS if key in torch.cuda.get_device_name(device)), None)
 
 
 def mfu(flops_per_s, device):
@@ -675,14 +661,12 @@ def resolve_device(name=None):
         raise ValueError(f"--device '{name}' is not a device; use cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"--device {name} is not supported here; use cpu, cuda or cuda:N")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name} was asked for but this machine has no CUDA GPU")
-        if device.index is None:  # memory APIs want an indexed device
-            device = torch.device("cuda", torch.cuda.current_device())
-        if device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s), "
-                             f"numbered from 0")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name} was asked for but this machine has no CUDA GPU")
+    if device.type == "cuda" and device.index is None:  # memory APIs want an indexed device
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
     return device
 
 
@@ -733,17 +717,14 @@ def check_output_path(path, flag, ours=None):
 
 
 def is_oom(error):
-    """True for out-of-memory errors, including those cuBLAS and some kernels raise as a plain
-    RuntimeError."""
+    """True for out-of-memory errors, also those cuBLAS and some kernels raise as RuntimeError."""
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
 def free_memory():
     """Return cached GPU memory after a configuration (or an OOM): collect the Python cycles that
     keep tensors alive, then release the caching allocator's free blocks."""
-    import gc
-
-    gc.collect()
+    __import__("gc").collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -789,25 +770,18 @@ def main(argv=None):
         fail(str(e))
     if args.seq is not None and not 1 <= args.seq <= min(c.block_size for c in configs.values()):
         fail(f"--seq must be between 1 and the block size, got {args.seq}")
-    rows = []
-    for name, config in configs.items():
-        with torch.device("meta"):  # count parameters without allocating them
-            n = GPT(config).num_params()
-        T = args.seq or config.block_size
-        rows.append([name, config.n_layer, config.n_head, config.n_embd, config.d_ff, f"{n:,}",
-                     f"{flops_per_token(config, T) / 1e9:.2f}"])
-    print_table(["preset", "layers", "heads", "d_model", "d_ff", f"params (vocab {args.vocab})",
-                 "train GFLOP/token"], rows)
+    with torch.device("meta"):  # count parameters without allocating them
+        rows = [[name, c.n_layer, c.n_head, c.n_embd, c.d_ff, f"{GPT(c).num_params():,}",
+                 f"{flops_per_token(c, args.seq or c.block_size) / 1e9:.2f}"] for name, c in configs.items()]
+    print_table(["preset", "layers", "heads", "d_model", "d_ff", f"params (vocab {args.vocab})", "train GFLOP/token"], rows)
     if args.model:
         c, d = configs[args.model], configs[args.model].n_embd
-        parts = [("token embedding = output layer (tied)", c.vocab_size * d), ("position table", c.block_size * d),
-                 (f"{c.n_layer} x attention (qkv, proj)", c.n_layer * (4 * d * d + 4 * d)),
-                 (f"{c.n_layer} x MLP", c.n_layer * (2 * d * c.d_ff + c.d_ff + d)),
-                 ("LayerNorms", (2 * c.n_layer + 1) * 2 * d)]
-        total = sum(n for _, n in parts)
+        parts = {"token embedding = output layer (tied)": c.vocab_size * d, "position table": c.block_size * d,
+                 f"{c.n_layer} x attention (qkv, proj)": c.n_layer * (4 * d * d + 4 * d),
+                 f"{c.n_layer} x MLP": c.n_layer * (2 * d * c.d_ff + c.d_ff + d), "LayerNorms": (2 * c.n_layer + 1) * 2 * d}
         print()
         print_table(["where the parameters are", "parameters", "share"],
-                    [[k, f"{n:,}", f"{100 * n / total:.1f}%"] for k, n in parts])
+                    [[k, f"{n:,}", f"{100 * n / sum(parts.values()):.1f}%"] for k, n in parts.items()])
     print("parameter counts include the tied embedding once and the position table; FLOPs: 6 per matmul "
           "parameter plus attention, at the block size unless --seq")
 
