@@ -1,10 +1,11 @@
 """End-to-end timing of GPT training: where a step's time goes and what each optimization buys.
 
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive
-attention to train.py's headline configuration and FP8, and times every rung with the same
-timer in the same rounds (A B C, A B C, ...), so the ratios between rungs are paired, not two
-runs minutes apart. The sweep splits a step into forward, backward and optimizer by model size,
-batch, context and vocabulary width, and the profiler names the kernels.
+attention to train.py's headline configuration, then FP8 forced onto every block Linear (gpt.use_fp8
+alone picks none at gpt2's width), and times every rung in the same rounds of the one timer
+(A B C, A B C, ...), so the ratios between rungs are paired, not two runs minutes apart. The sweep
+splits a step into forward, backward and optimizer by model size, batch, context and vocabulary
+width, and the profiler names the kernels.
 
     python bench_e2e.py --ladder --plot ladder.png
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
@@ -30,10 +31,10 @@ from itertools import product
 
 import torch
 
-from gpt import (ATTENTION, GPT, GPU_ONLY_ATTENTION, PRESETS, amp_dtype, autocast, check_output_path,
-                 compile_model, configure_optimizer, fail, flops_per_token, fmt_mfu, fp8_supported,
-                 free_memory, gib, gpu_peak_flops, is_oom, make_config, mfu, plot_to, print_table,
-                 resolve_device, set_tf32, summarize, time_rounds, train_step, use_fp8)
+from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPU_ONLY_ATTENTION, PRESETS, amp_dtype, autocast, check_output_path,
+                 compile_model, configure_optimizer, fail, flops_per_token, fmt_mfu, fp8_supported, free_memory, gib,
+                 gpu_peak_flops, is_oom, make_config, mfu, plot_to, print_table, resolve_device, set_tf32, summarize,
+                 time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
 LADDER = (("fp32, naive attention, vocab 50257", {}),
@@ -44,10 +45,10 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ torch.compile (PDL)", {"compile": True}),  # gpt.compile_model, train.py's compile
           ("+ CUDA graphs", {"graphs": True}),
           ("+ fused linear-CE", {"fused_ce": True}),  # = python train.py --vocab 50304 --bf16 --compile
-          ("+ FP8 matmuls", {"fp8": True}))
+          ("+ FP8 block Linears (forced)", {"fp8": True}))
 FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False,
               "graphs": False, "fused_ce": False, "fp8": False}
-HEADLINE = "+ fused linear-CE"
+HEADLINE, FP8_RUNG = "+ fused linear-CE", LADDER[-1][0]
 # All rungs are alive at once, so that they can run in the same rounds. At B=16 T=1024 on an
 # 80 GB GPU: each gpt2 holds 0.5 GB of fp32 weights and 1 GB of AdamW moments (1.5 GB x 9 rungs),
 # activations live only during a step (the fp32 rung's are the largest, ~30 GB), and the CUDA
@@ -73,8 +74,8 @@ def build(config, s, device):
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU: a 2.7B model takes minutes on the CPU
         model = GPT(config)
-    if s["fp8"]:
-        use_fp8(model)
+    if s["fp8"]:  # forced: by default use_fp8 converts only Linears >= FP8_MIN_WIDTH wide, none of gpt2's
+        use_fp8(model, min_width=0)
     runner = compile_model(model, cuda_graphs=s["graphs"]) if s["compile"] else model
     scaler = torch.amp.GradScaler(device.type) if s["dtype"] == torch.float16 else None
     return {"model": model, "runner": runner, "optimizer": configure_optimizer(model, lr=1e-4),
@@ -187,16 +188,21 @@ def run_ladder(config, B, T, device, args, plt=None):
           "(speed-ups paired: median of per-round ratios, min-max)")
     print_table(["rung", "ms/step, median (min-max)", "tokens/s", "speed-up vs previous", "vs first rung",
                  "MFU", "peak alloc (GiB)"], rows)
-    if (config.n_layer, config.n_embd, B, T) == (12, 768, 16, 1024) and HEADLINE in stats:
+    if (config.n_layer, config.n_embd, B, T) == (12, 768, 16, 1024) and stats.get(HEADLINE):
         print(f"'{HEADLINE}' is train.py's headline configuration: python train.py --vocab 50304 --bf16 --compile")
+    if stats.get(FP8_RUNG):
+        print(f"'{FP8_RUNG}': gpt.use_fp8(model, min_width=0), all four Linears of each block; by default use_fp8 "
+              f"(train.py --fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)")
     if plt is not None and first is not None:
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         plot_ladder(plt, args.plot, [n for n, _ in LADDER if stats.get(n)], stats, f"train step, B={B} T={T}, {where}")
     if first is None:
         return "ladder: no rung ran"
-    t = stats[prev]
-    return (f"ladder: {stats[first].median:.1f} -> {t.median:.1f} ms per step ({prev.lstrip('+ ')}), "
-            f"{speedup(times, prev, first)} the speed of the first rung, {B * T / (t.median / 1e3):,.0f} tokens/s")
+    end = HEADLINE if stats.get(HEADLINE) else prev  # the summary ends on train.py's configuration
+    fp8 = f"; {FP8_RUNG}: {speedup(times, FP8_RUNG, end)} its speed" if stats.get(FP8_RUNG) and end != prev else ""
+    return (f"ladder: {stats[first].median:.1f} -> {stats[end].median:.1f} ms per step ({end.lstrip('+ ')}), "
+            f"{speedup(times, end, first)} the speed of the first rung, "
+            f"{B * T / (stats[end].median / 1e3):,.0f} tokens/s{fp8}")
 
 
 def plot_ladder(plt, path, names, stats, title):
@@ -217,7 +223,6 @@ def plot_ladder(plt, path, names, stats, title):
 
 
 # --- 2. the sweep: forward / forward+backward / train step by model, vocab, batch and context
-
 MODES = ("forward", "forward-backward", "train")
 
 
@@ -345,7 +350,6 @@ def gemm_microbench(tokens, K, dtype, device, args):
 
 
 # --- 4. --profile: top kernels, time by category, naive attention's softmax vs matmuls
-
 NAIVE_RANGES = ("attention scores", "softmax", "final matmul")  # record_function names in gpt.py
 
 
@@ -469,8 +473,6 @@ def print_profile(profs, bench, B, T, steps, device, trace):
 
 
 # --- 5. command line
-
-
 def parse_ints(text, flag, low, high=None):
     try:
         values = [int(v) for v in text.split(",")]

@@ -20,6 +20,7 @@ Timings come from gpt.py's timer (variants interleaved in rounds): median (min-m
 """
 
 import argparse
+import copy
 import math
 from collections import OrderedDict
 
@@ -27,23 +28,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt import (E4M3, E5M2, FP8_LAYERS, GPT, Fp8Linear, autocast, compare, compile_model, configure_optimizer,
-                 fail, fp8_mm, fp8_supported, free_memory, gib, is_oom, load_tokens, make_config, print_table,
-                 resolve_device, set_tf32, summarize, synchronize, time_rounds, to_fp8, train_step)
+from gpt import (E4M3, E5M2, FP8_LAYERS, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, Fp8Linear, autocast, compare, compile_model,
+                 configure_optimizer, fail, fp8_mm, fp8_supported, free_memory, gib, is_oom, load_tokens, make_config,
+                 print_table, resolve_device, round_up, set_tf32, summarize, synchronize, time_rounds, to_fp8,
+                 train_step, use_fp8)
 
 SECTIONS = ("formats", "accumulate", "autocast", "layernorm", "tf32", "gradscaler", "mixed", "fp8")
 CUDA_ONLY = ("gradscaler", "mixed")
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
-SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
-
-
-def short(dtype):
-    return SHORT.get(dtype, str(dtype).replace("torch.", ""))
+SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 # --- 1. formats: what the bits buy
-
-
 FORMAT_HEADERS = ["format", "exponent bits", "mantissa bits", "eps", "largest", "smallest normal",
                   "smallest subnormal", "range (binades)", "decimal digits"]
 
@@ -62,9 +58,8 @@ def formats_table():
         fi = torch.finfo(dtype)
         rows.append(format_row(name, fi.bits, round(-math.log2(fi.eps)), fi.eps, fi.max, fi.smallest_normal))
         if name == "fp32":
-            # TF32 is not a storage dtype (torch.finfo has no entry): it is the tensor cores'
-            # input format, 1 sign / 8 exponent / 10 mantissa bits, so fp32's range with fp16's
-            # resolution. The layout is NVIDIA's; the values follow from it.
+            # TF32 is no storage dtype (torch.finfo has none) but the tensor cores' input format,
+            # NVIDIA's 1 sign / 8 exponent / 10 mantissa bits: fp32's range, fp16's resolution.
             rows.append(format_row("tf32 (layout)", 19, 10, 2.0**-10, (2 - 2.0**-10) * 2.0**127, 2.0**-126))
     return rows
 
@@ -77,22 +72,18 @@ def section_formats(args, device):
 
 
 # --- 2. accumulate: why a low-precision running sum stops growing
-
-
 def ulp(x, dtype):
     """Gap between x and the next larger number of dtype (x a positive normal number)."""
     return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(x))
 
 
 def accumulate(value, n, acc_dtype, addend_dtype=None, cast="implicit"):
-    """Add `value` n times to a running sum that starts as a 0-dim tensor of acc_dtype, one
-    rounded addition per step, like a naive reduction loop. The addends are stored in
-    addend_dtype (default: acc_dtype). cast: "implicit" adds x[i] and lets type promotion decide
-    (a 0-dim fp32 sum plus a 0-dim fp16 addend stays fp32), "explicit" adds x[i].to(acc_dtype),
-    "slice" adds x[i:i+1], a 1-element tensor, which promotion ranks above a 0-dim one, so the
-    sum silently becomes the addend's dtype.
-    Returns dict(total, dtype (of the sum at the end), stall_step, stall_value): the step after
-    which the sum never changed again, None if it grew to the end."""
+    """Add `value` n times to a 0-dim running sum of acc_dtype, one rounded addition per step like a
+    naive reduction loop, the addends stored in addend_dtype (default acc_dtype). cast: "implicit"
+    adds x[i] and lets type promotion decide (0-dim fp32 + 0-dim fp16 stays fp32), "explicit" adds
+    x[i].to(acc_dtype), "slice" adds x[i:i+1], a 1-element tensor, which promotion ranks above a
+    0-dim one, so the sum silently becomes the addend's dtype. Returns dict(total, dtype (of the
+    final sum), stall_step, stall_value): the step after which the sum never changed, or None."""
     addends = torch.full((n,), value, dtype=addend_dtype or acc_dtype)
     acc = torch.zeros((), dtype=acc_dtype)
     last_change = 0
@@ -118,9 +109,9 @@ def accumulate_rows():
             r, addend = accumulate(value, n, acc_dtype, addend_dtype, cast), addend_dtype or acc_dtype
             u = ulp(r["stall_value"], r["dtype"]) if r["stall_step"] else None
             stall = f"step {r['stall_step']} at {r['stall_value']:g} (ulp {u:.3g}, half {u / 2:.3g})" if u else "-"
-            rows.append([f"{value} x {n}", short(acc_dtype), short(addend), cast,
+            rows.append([f"{value} x {n}", SHORT[acc_dtype], SHORT[addend], cast,
                          f"{torch.tensor(value, dtype=addend).item():.8g}",  # the addend after rounding
-                         short(r["dtype"]), f"{r['total']:.6f}", f"{abs(r['total'] - exact) / exact:.2e}", stall])
+                         SHORT[r["dtype"]], f"{r['total']:.6f}", f"{abs(r['total'] - exact) / exact:.2e}", stall])
     return rows
 
 
@@ -133,8 +124,6 @@ def section_accumulate(args, device):
 
 
 # --- 3. autocast: which dtype each op really produced
-
-
 def autocast_dtypes(device, dtype, batch=32):
     """Run a toy model forward and backward under autocast(device, dtype) and return what the
     hooks saw: {what: torch.dtype}."""
@@ -147,7 +136,6 @@ def autocast_dtypes(device, dtype, batch=32):
             seen[f"{name} output"] = output.dtype
             if name == "fc1":  # read while the context is active: are the weights cast in place?
                 seen["fc1.weight inside context"] = mod.weight.dtype
-
         def backward_hook(mod, grad_input, grad_output, name=name):
             seen[f"grad of {name} output"] = grad_output[0].dtype
 
@@ -167,14 +155,9 @@ def autocast_dtypes(device, dtype, batch=32):
     return seen
 
 
-AUTOCAST_ROWS = ("fc1.weight inside context", "fc1 output", "relu output", "ln output", "fc2 output",
-                 "loss (cross_entropy)", "grad of fc2 output", "grad of ln output", "grad of fc1 output",
-                 "fc1.weight.grad", "ln.weight.grad")
-
-
 def section_autocast(args, device):
     captured = {name: autocast_dtypes(device, dtype) for name, dtype in LOW.items()}
-    rows = [[what] + [short(captured[n][what]) for n in LOW] for what in AUTOCAST_ROWS]
+    rows = [[what] + [SHORT[captured[n][what]] for n in LOW] for what in captured["bf16"]]  # in the order seen
     print_table(["tensor (toy Linear-ReLU-LayerNorm-Linear)"] + [f"autocast {n} on {device.type}" for n in LOW], rows)
     if device.type == "cpu":
         print("note: the CPU autocast policy (its op lists differ from CUDA's); run on a GPU for CUDA's.")
@@ -184,8 +167,6 @@ def section_autocast(args, device):
 
 
 # --- 4. layernorm: where low-precision statistics break
-
-
 def layernorm_in(x, dtype, eps=1e-5):
     """LayerNorm with every operation in dtype, statistics by the one-pass formula
     var = E[x^2] - E[x]^2: x^2 is where fp16 overflows, and the subtraction of two nearly equal
@@ -211,12 +192,9 @@ def layernorm_case(offset, scale, rows=64, width=768):
     return out
 
 
-LAYERNORM_CASES = ((0.0, 1.0), (0.0, 30.0), (0.0, 100.0), (0.0, 1000.0), (10.0, 0.1), (100.0, 1.0))
-
-
 def section_layernorm(args, device):
     rows = []
-    for offset, scale in LAYERNORM_CASES:
+    for offset, scale in ((0.0, 1.0), (0.0, 30.0), (0.0, 100.0), (0.0, 1000.0), (10.0, 0.1), (100.0, 1.0)):
         r = layernorm_case(offset, scale)
         rows.append([f"{offset:g} + {scale:g}*N(0,1)", f"{r['max_x2']:.3g}",
                      "overflow" if r["fp16_overflow"] else "no"]
@@ -230,7 +208,6 @@ def section_layernorm(args, device):
 
 
 # --- 5. tf32: matmul speed and error, and what TF32 does to memory
-
 MATMUL_MODES = ("fp32 ieee", "tf32", "bf16", "fp16")
 
 
@@ -245,9 +222,7 @@ def matmul_rows(device, sizes, args):
         b = torch.randn(n, n, device=device, generator=g)
         ref = a.double() @ b.double()
         ops, errors = {}, {}
-        for mode in MATMUL_MODES:
-            if mode == "tf32" and device.type != "cuda":
-                continue
+        for mode in [m for m in MATMUL_MODES if m != "tf32" or device.type == "cuda"]:
             x, y = a.to(LOW.get(mode, torch.float32)), b.to(LOW.get(mode, torch.float32))
             set_tf32(mode == "tf32")
             errors[mode] = ((x @ y).double() - ref).norm().item() / ref.norm().item()
@@ -256,11 +231,10 @@ def matmul_rows(device, sizes, args):
         set_tf32(False)
         for mode in MATMUL_MODES:
             t = stats.get(mode)
-            if t is None:
-                rows.append([n, mode, "n/a", "n/a", "n/a", "n/a (TF32 is CUDA-only)"])
-                continue
-            rows.append([n, mode, t.ms(3), f"{2 * n**3 / t.median / 1e9:.3g}", t.vs(), f"{errors[mode]:.2e}"])
-            largest[mode] = (t, errors[mode])
+            rows.append([n, mode, "n/a", "n/a", "n/a", "n/a (TF32 is CUDA-only)"] if t is None else
+                        [n, mode, t.ms(3), f"{2 * n**3 / t.median / 1e9:.3g}", t.vs(), f"{errors[mode]:.2e}"])
+            if t is not None:
+                largest[mode] = (t, errors[mode])
     return rows, largest
 
 
@@ -282,7 +256,6 @@ def tf32_memory_rows(args, device):
     for enabled in (False, True):
         set_tf32(enabled)
         torch._C._cuda_clearCublasWorkspaces()  # each setting starts without the other's workspace
-        name = [f"{args.model} B={args.batch} T={T}", "on" if enabled else "off"]
         free_memory()  # the previous row's tensors, so that each row's figures are its own
         torch.cuda.reset_peak_memory_stats(device)
         model, optimizer, x = seeded_model(config, args.batch, T, device)
@@ -293,7 +266,8 @@ def tf32_memory_rows(args, device):
         reserved, (free, total) = torch.cuda.memory_reserved(device), torch.cuda.mem_get_info(device)
         torch._C._cuda_clearCublasWorkspaces()
         workspace = allocated - torch.cuda.memory_allocated(device)
-        rows.append(name + [gib(allocated), gib(peak), gib(reserved), f"{workspace / 2**20:.1f}", gib(total - free)])
+        rows.append([f"{args.model} B={args.batch} T={T}", "on" if enabled else "off", gib(allocated), gib(peak),
+                     gib(reserved), f"{workspace / 2**20:.1f}", gib(total - free)])
         measured[enabled] = (peak, reserved, workspace, total - free)
         del model, optimizer, x
     set_tf32(False)
@@ -323,8 +297,6 @@ def section_tf32(args, device):
 
 
 # --- 6. gradscaler: fp16 gradients that vanish without loss scaling
-
-
 def gradscaler_run(dtype, use_scaler, tokens, args, device):
     torch.manual_seed(0)
     config = make_config("tiny")
@@ -351,7 +323,7 @@ def gradscaler_run(dtype, use_scaler, tokens, args, device):
             skipped += 1  # the scaler found inf/nan gradients, skipped the step and halved the scale
     for h in hooks:
         h.remove()
-    name = f"{short(dtype)} autocast" + (" + GradScaler" if use_scaler else "")
+    name = f"{SHORT[dtype]} autocast" + (" + GradScaler" if use_scaler else "")
     return [name, f"{100 * counts['zero'] / counts['total']:.2f}", f"{100 * counts['nonfinite'] / counts['total']:.4f}",
             f"{losses[0]:.3f}", f"{losses[-1]:.3f}", f"{scaler.get_scale():.0f}" if scaler else "-",
             skipped if scaler else "-"]
@@ -371,8 +343,6 @@ def section_gradscaler(args, device):
 
 
 # --- 7. mixed: what each precision buys per training step
-
-
 MIXED_MODES = (("fp32", None, False), ("tf32", None, True), ("bf16 autocast", torch.bfloat16, False),
                ("fp16 autocast + scaler", torch.float16, False))
 
@@ -410,8 +380,7 @@ def section_mixed(args, device):
                         [t.ms(1), f"{args.batch * T / t.median:.1f}", gib(t.peak), t.vs()]))
         fp32, bf16 = stats["fp32"], stats["bf16 autocast"]
         if fp32 and bf16:
-            gains.append(f"{model_name} {1 / bf16.ratio:.2f}x the speed at {bf16.peak / fp32.peak:.2f}x "
-                         "the peak memory")
+            gains.append(f"{model_name} {1 / bf16.ratio:.2f}x the speed at {bf16.peak / fp32.peak:.2f}x peak memory")
         del variants
         free_memory()
     print(f"train step, {args.rounds} rounds of {args.steps} steps, all precisions of a model interleaved; "
@@ -430,10 +399,14 @@ def section_mixed(args, device):
 # one scale per row beats one per tensor.
 
 FP8 = {"e4m3": E4M3, "e5m2": E5M2}
-# GPT-2's Linear layers at B=16, T=1024: (name as in gpt.FP8_LAYERS, in features, out features)
-FP8_SHAPES = (("attn.c_attn", 768, 2304), ("attn.c_proj", 768, 768), ("mlp.c_fc", 768, 3072),
-              ("mlp.c_proj", 3072, 768), ("lm_head", 768, 50304))
-FP8_TOKENS = 16384
+FP8_TOKENS = 16384  # B=16, T=1024
+
+
+def fp8_shapes(config):
+    """(name, in, out features) of a block's four Linears and the output layer (vocab 50304)."""
+    d, f = config.n_embd, config.d_ff
+    return (("attn.c_attn", d, 3 * d), ("attn.c_proj", d, d), ("mlp.c_fc", d, f), ("mlp.c_proj", f, d),
+            ("lm_head", d, round_up(GPT2_VOCAB, 128)))
 
 
 def to_fp8_rowwise(t, dtype):
@@ -461,11 +434,10 @@ def capture_linear_tensors(model_name, B, T, device, dtype=None):
     config = make_config(model_name, fused_ce=False)  # the lm_head module must run to be hooked
     torch.manual_seed(0)
     model = GPT(config).to(device)
-    names = [f"h.{config.n_layer // 2}.{n}" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
     captured, hooks = {}, []
     def keep(key, t):
         captured[key] = t.detach().flatten(0, -2).float()
-    for name in names + ["lm_head"]:
+    for name in [f"h.{config.n_layer // 2}.{n}" for n in FP8_LAYERS] + ["lm_head"]:
         m = model.get_submodule(name)
         hooks.append(m.register_forward_hook(lambda m, i, o, n=name: keep(f"{n} input", i[0])))
         hooks.append(m.register_full_backward_hook(lambda m, gi, go, n=name: keep(f"{n} output grad", go[0])))
@@ -510,10 +482,8 @@ def gemm_variants(M, K, N, device):
 def layer_variants(name, K, N, M, device):
     """Forward and backward of one Linear, compiled (the casts fuse into neighbouring kernels),
     as nn.Linear under bf16 autocast and as gpt.Fp8Linear with the same weights."""
-    torch.manual_seed(0)
     bf16 = nn.Linear(K, N, bias=name != "lm_head", device=device)
-    fp8 = nn.Linear(K, N, bias=name != "lm_head", device=device)
-    fp8.load_state_dict(bf16.state_dict())
+    fp8 = copy.deepcopy(bf16)
     fp8.__class__ = Fp8Linear  # what gpt.use_fp8 does to each chosen layer
     x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
@@ -547,10 +517,13 @@ def section_fp8(args, device):
     if not fp8_supported(device):
         print("GEMM speed and the per-layer table need FP8 tensor cores: run on an H100/H200.")
         return
+    config = make_config(args.model)
+    with torch.device("meta"):  # what gpt.use_fp8 would convert in this model, asked of gpt.use_fp8
+        converted = {name.split(".", 2)[2] for name, *_, chosen in use_fp8(GPT(config)) if chosen}
     gemm_rows, layer_rows, gains = [], [], []
     torch._dynamo.config.automatic_dynamic_shapes = False  # one graph per layer shape, each kept:
     torch._dynamo.config.recompile_limit = max(16, torch._dynamo.config.recompile_limit)
-    for name, K, N in FP8_SHAPES:
+    for name, K, N in fp8_shapes(config):
         stats = compare(gemm_variants(FP8_TOKENS, K, N, device), device, "bf16", args.rounds, args.steps)
         gemm_rows += [[name, f"{FP8_TOKENS}x{K}x{N}", variant, t.ms(3),
                        f"{2 * FP8_TOKENS * K * N / t.median / 1e9:.0f}", t.vs()] for variant, t in stats.items()]
@@ -559,27 +532,27 @@ def section_fp8(args, device):
                         args.steps)
         ref, t = stats["nn.Linear bf16"], stats["Fp8Linear"]
         gains += [name] if t.ratio_high < 1 else []
-        layer_rows.append([name, ref.ms(3), t.ms(3), t.vs(), "yes" if t.ratio_high < 1 else "no"])
+        layer_rows.append([name, ref.ms(3), t.ms(3), t.vs(), "yes" if t.ratio_high < 1 else "no",
+                           "yes" if name in converted else "no"])
         free_memory()
     print(f"\nGEMMs x @ w^T, {FP8_TOKENS} tokens, bf16 out, {args.rounds} rounds of {args.steps}")
     print_table(["layer", "M x K x N", "GEMM", "ms, median (min-max)", "TFLOP/s", "time vs bf16 (paired)"], gemm_rows)
-    print(f"\none Linear, forward + backward (3 GEMMs), compiled, {FP8_TOKENS} tokens, "
+    print(f"\none {args.model} Linear alone, forward + backward (3 GEMMs), compiled, {FP8_TOKENS} tokens, "
           f"{args.rounds} rounds of {args.steps}")
-    print_table(["layer", "nn.Linear bf16, ms", "Fp8Linear, ms", "time vs bf16 (paired)", "FP8 faster every round"],
-                layer_rows)
-    same = "as in" if set(gains) == set(FP8_LAYERS) else "unlike"
-    print(f"takeaway: FP8 is faster in every round at {', '.join(gains) or 'no layer'}, {same} gpt.FP8_LAYERS "
-          f"{FP8_LAYERS}; the bare FP8 GEMM is the ceiling, the casts are what it must beat.")
+    print_table(["layer", "nn.Linear bf16, ms", "Fp8Linear, ms", "time vs bf16 (paired)", "FP8 faster every round",
+                 "gpt.use_fp8 converts"], layer_rows)
+    print(f"takeaway: alone, FP8 is faster in every round at {', '.join(gains) or 'no layer'}; gpt.use_fp8 "
+          f"converts {', '.join(sorted(converted)) or 'none'} of {args.model}'s (both widths >= {FP8_MIN_WIDTH}, "
+          "a line drawn by timing whole compiled blocks); the bare FP8 GEMM is the ceiling, the casts what "
+          "it must beat.")
 
 
 # --- main
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma list of sections")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    parser.add_argument("--model", default="gpt2", help="model of the TF32 step (5) and the FP8 tensors (8)")
+    parser.add_argument("--model", default="gpt2", help="model of the TF32 step (5), FP8 tensors and shapes (8)")
     parser.add_argument("--models", default="tiny,gpt2", help="comma list of models for section 7")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, help="context (default 1024; capped at each model's block size)")
@@ -606,14 +579,13 @@ def main(argv=None):
     print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}" if device.type == "cuda" else
           f"device: cpu, torch {torch.__version__}: small sizes, seconds-long; {', '.join(CUDA_ONLY)}, "
           "the TF32 parts and FP8 speed need CUDA")
-    ran, skipped = [], []
+    skipped = [name for name in only if name in CUDA_ONLY and device.type != "cuda"]
     for i, name in enumerate(SECTIONS, 1):
         if name not in only:
             continue
         print(f"\n== {i}. {name}")
-        if name in CUDA_ONLY and device.type != "cuda":
+        if name in skipped:
             print("skipped: needs CUDA")
-            skipped.append(name)
             continue
         try:
             globals()[f"section_{name}"](args, device)
@@ -622,7 +594,7 @@ def main(argv=None):
                 raise
             fail(f"out of GPU memory in section {name}; try a smaller --batch or --seq")
         synchronize(device)
-        ran.append(name)
+    ran = [name for name in SECTIONS if name in only and name not in skipped]
     print(f"\nprecision.py on {device.type}: ran {', '.join(ran) or 'nothing'}"
           + (f"; skipped {', '.join(skipped)} (needs CUDA)" if skipped else ""))
 

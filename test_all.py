@@ -643,198 +643,113 @@ def test_bench_attention_oom_row_then_next_runs():
 
 
 # --- 4. precision.py: IEEE accumulation, autocast capture, LayerNorm overflow, FP8 scaling
+import numpy as np  # noqa: E402
+import precision  # noqa: E402
 
-def test_precision_cpu_sections_run():
+
+def test_precision_cpu_accumulate_autocast_layernorm_fp8():
     code, out, err = call_main("precision.py", "--device", "cpu", "--model", "tiny", "--steps", 2, "--rounds", 2)
-    assert code == 0 and "Traceback" not in err, err
-    for n, name in enumerate(("formats", "accumulate", "autocast", "layernorm", "tf32", "gradscaler", "mixed",
-                              "fp8"), 1):
-        assert f"== {n}. {name}" in out, out
-    assert out.count("takeaway") == 6 and out.count("skipped: needs CUDA") == 2, out
-    assert "n/a (TF32 is CUDA-only)" in out and "need FP8 tensor cores" in out, out
-
-
-def test_precision_accumulate_matches_ieee():
-    import numpy as np
-    from precision import accumulate, ulp
-
-    def ieee_sum(acc_type, addend, n):  # numpy rounds each addition to acc_type, as IEEE does
-        acc = acc_type(0)
-        for _ in range(n):
-            acc = acc_type(acc + addend)
-        return float(acc)
-    fp16_sum = ieee_sum(np.float16, np.float16(0.01), 1000)
-    r = accumulate(0.01, 1000, torch.float16)
-    assert r["total"] == fp16_sum != 10.0, r
-    # fp32 sum of fp16 addends: fp32 sums of the rounded addend, in either cast style; but a
-    # 1-element slice outranks the 0-dim fp32 sum in type promotion and the sum becomes fp16
-    for cast in ("implicit", "explicit"):
+    assert code == 0 and all(f"== {n}. {name}" in out for n, name in enumerate(precision.SECTIONS, 1)), err + out
+    assert out.count("takeaway") == 6 and out.count("skipped: needs CUDA") == 2 and "need FP8 tensor cores" in out
+    # numpy's add.accumulate adds one element at a time, rounding each sum to the dtype: IEEE's answer
+    ieee_sum = lambda dtype, addend, n: float(np.add.accumulate(np.full(n, addend, dtype=dtype))[-1])  # noqa: E731
+    fp16_sum, accumulate, ulp = ieee_sum(np.float16, np.float16(0.01), 1000), precision.accumulate, precision.ulp
+    assert accumulate(0.01, 1000, torch.float16)["total"] == fp16_sum != 10.0
+    for cast in ("implicit", "explicit"):  # an fp32 sum of the rounded fp16 addend, either way
         r = accumulate(0.01, 1000, torch.float32, torch.float16, cast)
         assert r["dtype"] == torch.float32 and r["total"] == ieee_sum(np.float32, np.float16(0.01), 1000), r
-    r = accumulate(0.01, 1000, torch.float32, torch.float16, "slice")
+    r = accumulate(0.01, 1000, torch.float32, torch.float16, "slice")  # a 1-element slice outranks a 0-dim sum
     assert r["dtype"] == torch.float16 and r["total"] == fp16_sum
-    # 0.001 x 10000 in fp16 stalls, and at the stall the addend is at most half an ulp
-    r = accumulate(0.001, 10000, torch.float16)
+    r = accumulate(0.001, 10000, torch.float16)  # stalls where the addend is at most half an ulp
     assert r["total"] == ieee_sum(np.float16, np.float16(0.001), 10000) and r["stall_step"] is not None
     assert float(np.float16(0.001)) <= ulp(r["stall_value"], torch.float16) / 2
     assert float(np.spacing(np.float16(r["total"]))) == ulp(r["stall_value"], torch.float16)
-
-
-def test_precision_autocast_capture_and_layernorm_overflow():
-    from precision import autocast_dtypes, layernorm_case
-
-    seen = autocast_dtypes(torch.device("cpu"), torch.bfloat16)
+    seen = precision.autocast_dtypes(torch.device("cpu"), torch.bfloat16)
     assert seen["fc1 output"] == seen["grad of fc1 output"] == torch.bfloat16, seen
-    assert seen["fc1.weight inside context"] == seen["fc1.weight.grad"] == torch.float32, seen
-    assert seen["loss (cross_entropy)"] == torch.float32, seen
-    big, small = layernorm_case(0.0, 1000.0), layernorm_case(0.0, 1.0)
+    assert seen["fc1.weight inside context"] == seen["fc1.weight.grad"] == seen["loss (cross_entropy)"] == torch.float32
+    big, small = precision.layernorm_case(0.0, 1000.0), precision.layernorm_case(0.0, 1.0)
     assert big["fp16_overflow"] and not big["bf16_overflow"] and big["max_x2"] > 65504, big
     assert not small["fp16_overflow"] and small["fp16_err"] < 0.05, small
-
-
-def test_precision_fp8_scaling_errors():
-    from precision import capture_linear_tensors, fp8_round_trip
-
-    E4M3 = gpt.E4M3
+    E4M3, round_trip = gpt.E4M3, precision.fp8_round_trip
     values = torch.arange(256, dtype=torch.uint8).view(E4M3).float()
     values = values[values.isfinite()]  # every finite e4m3 number; the largest, 448, makes the scale 1
-    assert values.abs().max() == 448 and fp8_round_trip(values, E4M3)[0] == 0
-    # rows of representable values times powers of two: a scale per row is exact, one per tensor
-    # pushes the small rows below the smallest normal (and loses them)
+    assert values.abs().max() == 448 and round_trip(values, E4M3)[0] == 0
+    # rows of e4m3 numbers times powers of two: a scale per row is exact, one per tensor loses the small rows
     rows = values * 2.0 ** torch.arange(-24, 1, 4.0)[:, None]
-    (tensor_err, tensor_low), (row_err, row_low) = fp8_round_trip(rows, E4M3), fp8_round_trip(rows, E4M3, True)
-    assert row_err == 0 and 0 < tensor_err and row_low < tensor_low, (tensor_err, row_err, tensor_low, row_low)
-    # against the computation written out
-    t = torch.randn(64, 96) * torch.logspace(-3, 3, 64)[:, None]
+    (tensor_err, tensor_low), (row_err, row_low) = round_trip(rows, E4M3), round_trip(rows, E4M3, True)
+    assert row_err == 0 < tensor_err and row_low < tensor_low, (tensor_err, row_err, tensor_low, row_low)
+    t = torch.randn(64, 96) * torch.logspace(-3, 3, 64)[:, None]  # against the computation written out
     s = 448 / t.abs().max()
     direct = ((t * s).to(E4M3).float() / s - t).norm() / t.norm()
-    assert abs(fp8_round_trip(t, E4M3)[0] - direct.item()) < 1e-6 * direct.item()
-    assert fp8_round_trip(t, E4M3, True)[0] <= fp8_round_trip(t, E4M3)[0]
-    # real tensors: the gradient reaching the output layer is (softmax - onehot) / N, rows sum to 0
-    got = capture_linear_tensors("tiny", 1, 16, torch.device("cpu"))
-    assert len(got) == 10 and got["h.2.attn.c_attn output grad"].shape == (16, 384), list(got)
-    assert got["lm_head input"].shape == (16, 128) and got["lm_head output grad"].shape == (16, 50257)
+    assert abs(round_trip(t, E4M3)[0] - direct.item()) < 1e-6 * direct.item()
+    got = precision.capture_linear_tensors("tiny", 1, 16, torch.device("cpu"))  # hooks see (softmax - onehot) / N
+    assert len(got) == 10 and got["lm_head output grad"].shape == (16, 50257), list(got)
     assert got["lm_head output grad"].sum(1).abs().max() < 1e-6
 
 
 def test_precision_bad_input():
-    check_bad_inputs([("precision.py", ["--only", "nosuch"], "unknown section 'nosuch'"),
-                      ("precision.py", ["--only", "formats,nosuch"], "choose from"),
-                      ("precision.py", ["--device", "banana"], "not a device"),
-                      ("precision.py", ["--device", "mps"], "not supported"),
-                      ("precision.py", ["--model", "gpt5"], "unknown model"),
-                      ("precision.py", ["--models", "tiny,gpt5"], "unknown model"),
-                      ("precision.py", ["--batch", 0], "--batch must be between"),
-                      ("precision.py", ["--seq", 5000], "--seq must be between"),
-                      ("precision.py", ["--steps", 0], "--steps must be between"),
-                      ("precision.py", ["--rounds", -1], "--rounds must be between"),
-                      ("precision.py", ["--batch", "x"], "invalid int value")])
+    check_bad_inputs([("precision.py", args, says) for args, says in (
+        (["--only", "nosuch"], "unknown section 'nosuch'"), (["--only", "formats,nosuch"], "choose from"),
+        (["--device", "banana"], "not a device"), (["--device", "mps"], "not supported"),
+        (["--model", "gpt5"], "unknown model"), (["--models", "tiny,gpt5"], "unknown model"),
+        (["--batch", 0], "--batch must be between"), (["--seq", 5000], "--seq must be between"),
+        (["--steps", 0], "--steps must be between"), (["--rounds", -1], "--rounds must be between"),
+        (["--batch", "x"], "invalid int value"))])
 
 
 @gpu
-def test_precision_gpu_sections():
+def test_precision_gpu_sections_and_fp8_gemms():
     code, out, err = call_main("precision.py", "--only", "autocast,tf32,gradscaler,mixed", "--model", "tiny",
                                "--models", "tiny", "--batch", 4, "--seq", 256, "--steps", 3, "--rounds", 3)
-    assert code == 0 and "autocast fp16 on cuda" in out and "skipped" not in out, out
-    assert out.count("takeaway") >= 5 and "OOM" not in out and "GradScaler" in out, out
-
-
-@gpu
-def test_precision_fp8_gemms_agree_gpu():
-    """Every FP8 GEMM variant (cast beforehand, row-wise, cast each call) against bf16: within
-    e4m3's few-percent rounding; and the round trip gives the CPU's numbers on the GPU."""
-    from precision import fp8_round_trip, gemm_variants
-
-    ops = gemm_variants(256, 128, 512, torch.device("cuda"))
-    ref = ops["bf16"]().float()
-    for name, op in ops.items():
-        assert ((op().float() - ref).norm() / ref.norm()).item() < 0.1, name
-    t = torch.randn(64, 96) * torch.logspace(-3, 3, 64)[:, None]
-    for rowwise in (False, True):
-        assert abs(fp8_round_trip(t.cuda(), gpt.E4M3, rowwise)[0] - fp8_round_trip(t, gpt.E4M3, rowwise)[0]) < 1e-6
+    assert code == 0 and "autocast fp16 on cuda" in out and "skipped" not in out and "OOM" not in out, out
+    assert out.count("takeaway") >= 5 and "GradScaler" in out, out
+    if gpt.fp8_supported("cuda"):  # every FP8 GEMM variant against bf16, within e4m3's few-percent rounding
+        ops = precision.gemm_variants(256, 128, 512, torch.device("cuda"))
+        ref = ops["bf16"]().float()
+        assert all(((op().float() - ref).norm() / ref.norm()).item() < 0.1 for op in ops.values())
 
 
 # --- 5. bench_e2e.py: ladder, sweep, output GEMMs, profile, bad input
+import json  # noqa: E402
+import types  # noqa: E402
+import bench_e2e  # noqa: E402
 
-def _bench_e2e_args(**kw):
-    import types
 
-    import bench_e2e
-
-    return types.SimpleNamespace(**{"vocab": [50257], "batch": [1, 2], "seq": [16], "modes": bench_e2e.MODES,
+def _sweep(device, **kw):  # bench_e2e.run_sweep of the tiny model: (times, stats) by (vocab, batch, seq, mode)
+    args = types.SimpleNamespace(**{"vocab": [50257], "batch": [1, 2], "seq": [16], "modes": bench_e2e.MODES,
                                     "tf32": False, "dtype": None, "attn": "sdpa", "compile": False, "rounds": 2,
                                     "steps": 1, "warmup": 1, **kw})
+    return bench_e2e.run_sweep(args, [("tiny", gpt.make_config("tiny"))], device)[0][1:]
 
 
 def test_bench_e2e_ladder_cpu():
     png = os.path.join(tempfile.mkdtemp(), "ladder.png")
     code, out, err = call_main("bench_e2e.py", "--device", "cpu", "--ladder", "--batch", 1, "--seq", 16, "--rounds", 2,
                                "--plot", png)
-    assert code == 0, err
-    import bench_e2e
-
-    lines = {name: next(line for line in out.splitlines() if line.startswith(name)) for name, _ in bench_e2e.LADDER}
-    skipped = [name for name, line in lines.items() if "skipped" in line]
-    assert skipped == ["+ TF32 matmuls", "+ torch.compile (PDL)", "+ CUDA graphs", "+ fused linear-CE",
-                       "+ FP8 matmuls"], out  # TF32 and every compiled rung need the GPU; four are timed
-    timed = [line for name, line in lines.items() if name not in skipped]
-    assert all(line.count("x (") == 2 for line in timed[1:]), out  # paired speed-ups vs previous and vs first
-    assert out.strip().splitlines()[-1].startswith("ladder:") and f"wrote the ladder plot to {png}" in out
-    with open(png, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-
-
-def test_bench_e2e_ladder_rungs_train_the_same_model():
-    """Same seed, same batch: every rung that runs here starts from the same loss."""
-    import bench_e2e
-
-    cpu = torch.device("cpu")
-    config, (x, y) = gpt.make_config("tiny"), bench_e2e.batch_of(2, 16, cpu)
-    losses = {name: bench_e2e.run_step("train", bench_e2e.build(config, s, cpu), x, y).item()
-              for name, change, s in bench_e2e.rungs() if bench_e2e.skip_reason(change, s, cpu) is None}
-    assert len(losses) == 4 and all(math.isfinite(v) for v in losses.values()), losses
-    first = losses["fp32, naive attention, vocab 50257"]
-    assert all(abs(v - first) < 0.02 * first for v in losses.values()), losses
+    rows = [line for line in out.splitlines() if line.startswith(tuple(name for name, _ in bench_e2e.LADDER))]
+    expect = [(0, 0), (1, 0), (0, 2), (0, 2), (0, 2), (1, 0), (1, 0), (1, 0), (1, 0)]  # (skipped, paired speed-ups)
+    assert code == 0 and [(r.count("skipped"), r.count("x (")) for r in rows] == expect, err + out
+    assert out.strip().splitlines()[-1].startswith("ladder:") and bench_e2e.starts_with(b"\x89PNG\r\n\x1a\n")(png)
+    cpu, config = torch.device("cpu"), gpt.make_config("tiny")
+    x, y = bench_e2e.batch_of(2, 16, cpu)  # every rung that runs trains the same model: same seed, batch and loss
+    losses = [bench_e2e.run_step("train", bench_e2e.build(config, s, cpu), x, y).item()
+              for _, change, s in bench_e2e.rungs() if bench_e2e.skip_reason(change, s, cpu) is None]
+    assert len(losses) == 4 and all(abs(v - losses[0]) < 0.02 * losses[0] for v in losses), losses
+    fp8 = bench_e2e.build(config, {**bench_e2e.FIRST_RUNG, "fp8": True}, cpu)["model"]  # forced: all four per block
+    assert sum(type(m) is gpt.Fp8Linear for m in fp8.modules()) == 4 * config.n_layer
 
 
-def test_bench_e2e_sweep_numbers():
-    import bench_e2e
-
-    args = _bench_e2e_args()
-    [(name, times, stats)] = bench_e2e.run_sweep(args, [("tiny", gpt.make_config("tiny"))], torch.device("cpu"))
+def test_bench_e2e_sweep_numbers_profile_cpu_run():
+    times, stats = _sweep(torch.device("cpu"))
     assert len(times) == 2 * 3 and all(len(t) == 2 for t in times.values()), times  # batches x modes
     assert all(t.low <= t.median <= t.high and t.peak is None for t in stats.values())
     a, b = (50257, 2, 16, "train"), (50257, 1, 16, "train")
     ratios = sorted(2 * tb / ta for ta, tb in zip(times[a], times[b]))  # tokens/s ratio, per round
-    mid = (ratios[0] + ratios[1]) / 2
-    assert bench_e2e.speedup(times, a, b, 2.0) == f"{mid:.3f}x ({ratios[0]:.3f}-{ratios[1]:.3f})"
+    assert bench_e2e.speedup(times, a, b, 2.0) == f"{sum(ratios) / 2:.3f}x ({ratios[0]:.3f}-{ratios[1]:.3f})"
     f, fb, tr = (times[(50257, 1, 16, m)] for m in bench_e2e.MODES)
     split = bench_e2e.step_split(times, 50257, 1, 16)
     assert split[1].startswith(f"{(fb[0] - f[0] + fb[1] - f[1]) / 2:.2f} (")  # paired: per-round differences
     assert split[3] == f"{(tr[0] + tr[1]) / 2:.2f}"
-
-
-def test_bench_e2e_cpu_run_gemms_profile_trace():
-    trace = os.path.join(tempfile.mkdtemp(), "step.json")
-    code, out, err = call_main("bench_e2e.py", "--device", "cpu", "--batch", 1, "--seq", 16, "--vocab", "50257,50304",
-                               "--attn", "naive", "--trace", trace, "--rounds", 1)
-    assert code == 0 and out.startswith("device: CPU"), err
-    for title in ("sweep,", "where a train step's time goes", "output-layer GEMMs alone", "forward CPU ops",
-                  "time by category", "naive attention, forward"):
-        assert title in out, title
-    assert out.strip().splitlines()[-1].startswith("best train throughput"), out
-    import json
-
-    import bench_e2e
-
-    with open(trace) as f:
-        assert json.load(f)["traceEvents"]
-    assert bench_e2e.starts_with(b"{")(trace)  # ours: the next run may overwrite it
-
-
-def test_bench_e2e_profile_categories():
-    import bench_e2e
-
     cpu = torch.device("cpu")
     bench = bench_e2e.build(gpt.make_config("tiny"), {**bench_e2e.FIRST_RUNG, "attn": "naive"}, cpu)
     profs = bench_e2e.profile_steps(bench, 1, 16, cpu, warmup=1, steps=1)
@@ -843,63 +758,47 @@ def test_bench_e2e_profile_categories():
     stages = bench_e2e.naive_attention_rows(profs["forward"], bench["config"], 1, 16, 1, False)
     assert [r[0] for r in stages] == list(bench_e2e.NAIVE_RANGES)
     assert float(stages[1][4][:-1]) < float(stages[2][4][:-1])  # the softmax's FLOP share is the smaller
+    trace = os.path.join(tempfile.mkdtemp(), "step.json")  # and the whole script: vocab widths, GEMMs, profile
+    code, out, err = call_main("bench_e2e.py", "--device", "cpu", "--batch", 1, "--seq", 16, "--vocab", "50257,50304",
+                               "--attn", "naive", "--trace", trace, "--rounds", 1)
+    assert code == 0 and all(title in out for title in ("where a train step's time goes", "output-layer GEMMs alone",
+                                                        "time by category", "naive attention, forward")), err + out
+    assert out.strip().splitlines()[-1].startswith("best train throughput"), out
+    assert bench_e2e.starts_with(b"{")(trace) and json.load(open(trace))["traceEvents"]  # ours: may be overwritten
 
 
 def test_bench_e2e_bad_input():
     d = tempfile.mkdtemp()
     check_bad_inputs([("bench_e2e.py", args, says) for args, says in (
-        (["--model", "huge"], "unknown model"),
-        (["--model", "tiny", "--seq", 1000], "--seq must be at least 1 and at most 256"),
-        (["--batch", 0], "--batch must be at least 1"),
-        (["--batch", "2,x"], "integers separated by commas"),
-        (["--vocab", 50000], "--vocab must be at least 50257"),
-        (["--rounds", 0], "--rounds must be at least 1"),
-        (["--steps", 0], "--steps must be at least 1"),
-        (["--warmup", 0], "--warmup must be at least 1"),
-        (["--mode", "backward"], "invalid choice"),
-        (["--bf16", "--fp16"], "exclusive"),
-        (["--device", "cpu", "--fp16"], "needs a CUDA GPU"),
-        (["--device", "cpu", "--attn", "triton"], "needs a CUDA GPU"),
-        (["--device", "banana"], "not a device"),
-        (["--device", "cuda:7"], "--device cuda:7"),
-        (["--trace", os.path.join(d, "missing", "t.json")], "does not exist"),
-        (["--trace", d], "is a directory"),
+        (["--model", "huge"], "unknown model"), (["--model", "tiny", "--seq", 1000], "at most 256"),
+        *[([f"--{flag}", 0], f"--{flag} must be at least 1") for flag in ("batch", "rounds", "steps", "warmup")],
+        (["--batch", "2,x"], "integers separated by commas"), (["--vocab", 50000], "--vocab must be at least 50257"),
+        (["--mode", "backward"], "invalid choice"), (["--bf16", "--fp16"], "exclusive"),
+        (["--device", "cpu", "--fp16"], "needs a CUDA GPU"), (["--device", "cpu", "--attn", "triton"], "needs a CUDA"),
+        (["--device", "banana"], "not a device"), (["--device", "cuda:7"], "--device cuda:7"),
+        (["--trace", os.path.join(d, "missing", "t.json")], "does not exist"), (["--trace", d], "is a directory"),
         (["--trace", os.path.join(HERE, "input.txt")], "refusing to overwrite"),
-        (["--plot", os.path.join(d, "p.png")], "add --ladder"),
+        (["--plot", os.path.join(d, "p.png")], "add --ladder"), (["--ladder", "--batch", "1,2"], "one --batch"),
         (["--ladder", "--plot", os.path.join(d, "missing", "p.png")], "does not exist"),
-        (["--ladder", "--batch", "1,2"], "one --batch"),
         (["--ladder", "--bf16"], "sets precision"))])
 
 
 @gpu
-def test_bench_e2e_gpu_ladder_rungs_agree():
-    """Every rung, compiled, graphed, fused and FP8 ones included, starts from the same loss."""
-    import bench_e2e
-
+def test_bench_e2e_gpu_ladder_peaks_oom():
     cuda = torch.device("cuda")
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # every rung (compiled, graphed, fused, FP8) starts from the same loss
     config, (x, y) = gpt.make_config("tiny"), bench_e2e.batch_of(4, 128, cuda)
-    losses = {name: bench_e2e.run_step("train", bench_e2e.build(config, s, cuda), x, y).item()
-              for name, change, s in bench_e2e.rungs() if bench_e2e.skip_reason(change, s, cuda) is None}
+    losses = [bench_e2e.run_step("train", bench_e2e.build(config, s, cuda), x, y).item()
+              for _, change, s in bench_e2e.rungs() if bench_e2e.skip_reason(change, s, cuda) is None]
     gpt.set_tf32(False)
     assert len(losses) == len(bench_e2e.LADDER) - (0 if gpt.fp8_supported(cuda) else 1), losses
-    first = losses["fp32, naive attention, vocab 50257"]
-    assert all(abs(v - first) < 0.02 * first for v in losses.values()), losses
-
-
-@gpu
-def test_bench_e2e_gpu_peaks_and_oom():
-    import bench_e2e
-
-    cuda = torch.device("cuda")
-    args = _bench_e2e_args(batch=[4, 8, 16384], seq=[256])  # 4M tokens' activations cannot fit: OOM cells
-    [(_, times, stats)] = bench_e2e.run_sweep(args, [("tiny", gpt.make_config("tiny"))], cuda)
+    assert all(abs(v - losses[0]) < 0.02 * losses[0] for v in losses), losses
+    times, stats = _sweep(cuda, batch=[4, 8, 16384], seq=[256])  # 4M tokens' activations cannot fit: OOM cells
     peak = {(b, m): stats[(50257, b, 256, m)].peak for b in (4, 8) for m in bench_e2e.MODES}
     for b in (4, 8):  # backward keeps every saved activation alive, a train step adds AdamW's state
         assert peak[(b, "train")] >= peak[(b, "forward-backward")] > peak[(b, "forward")] > 0, peak
     assert all(peak[(8, m)] > peak[(4, m)] for m in bench_e2e.MODES), peak
     assert all(stats[(50257, 16384, 256, m)] is None for m in bench_e2e.MODES)
-    # out of memory outside a sweep cell (the profiled configuration): one line, exit 2
     assert_bad_input("bench_e2e.py", "--model", "tiny", "--batch", 16384, "--seq", 256, "--mode", "forward",
                      "--rounds", 1, "--profile", says="out of GPU memory in the profiled configuration")
 
