@@ -2,27 +2,26 @@
 
 Each flag is one of the speed-ups the other scripts measure: --tf32, --bf16 / --fp16 (autocast;
 fp16 needs a GradScaler), --attn, --vocab 50304 (a tensor-core-friendly vocabulary), --compile
-(torch.compile; on one GPU also CUDA graphs), --fp8 (FP8 matmuls on H100/H200), and the output
-layer fused with the loss so the [tokens, vocab] logits never exist (on by default; --no-fused-ce
-turns it off). The loop never makes the GPU wait: a step's loss is read back while the GPU runs
-the next one (StepLog). Several GPUs: torchrun, with DDP (every GPU holds the whole model) or
---fsdp (PyTorch's FSDP2: weights, gradients and optimizer state sharded across the GPUs, each
-block's weights gathered just before use); --recompute K stores only every K-th block's input and
-recomputes its activations in backward, so larger models fit.
+(torch.compile; on one GPU also CUDA graphs), --fp8 (FP8 matmuls on H100/H200, in the block
+layers wide enough to gain), and the output layer fused with the loss so the [tokens, vocab]
+logits never exist (on by default; --no-fused-ce turns it off). The loop never makes the GPU wait:
+a step's loss is read back while the GPU runs the next one (StepLog). Several GPUs: torchrun, with
+DDP (every GPU holds the whole model) or --fsdp (PyTorch's FSDP2: weights, gradients and optimizer
+state sharded across the GPUs, each block's weights gathered just before use); --recompute K
+stores only every K-th block's input and recomputes its activations in backward, so larger models fit.
 
     python train.py --vocab 50304 --bf16 --compile                 # the headline run
-    python train.py --vocab 50304 --bf16 --compile --fp8           # FP8 matmuls (H100/H200)
-    torchrun --nproc_per_node=2 train.py --vocab 50304 --bf16 --compile
-    torchrun --nproc_per_node=2 train.py --model 2.7B --fsdp --bf16 --compile --recompute 2
+    python train.py --vocab 50304 --bf16 --compile --fp8 0         # FP8 in every block (--fp8: >= 2048 wide)
+    torchrun --nproc_per_node=2 train.py --model xl --vocab 50304 --bf16 --compile       # DDP
+    torchrun --nproc_per_node=2 train.py --model 2.7B --vocab 50304 --fsdp --bf16 --compile --recompute 2
     python train.py --steps 40 --ckpt run.pt --stop-after 20; python train.py --steps 40 --ckpt run.pt --resume
 
 The summary line gives the median step time, tokens/s, MFU (model FLOPs only: recomputation is not
-counted, as PaLM defines it), the peak memory that tensors took on rank 0's GPU during training
-steps (evaluation excluded; not the allocator's reserve) and, with --recompute, the FLOPs the
-recomputed forwards add to a step: the time they cost if they run at the model's rate. What
-recomputing saves is the drop in peak memory against a run without the flag. Ctrl-C (or SIGTERM)
-finishes the step, writes the --ckpt checkpoint and prints how to resume; exit status 130 (143).
-Without CUDA the same command trains the `tiny` preset on a short context.
+counted, as PaLM defines it), the peak memory tensors took on rank 0's GPU in training steps
+(evaluation excluded; not the allocator's reserve), with --recompute the FLOPs the recomputed
+forwards add (what recomputing saves is the drop in peak memory), and the last val loss. Ctrl-C
+(or SIGTERM) finishes the step, writes the --ckpt checkpoint and prints how to resume; exit status
+130 (143). Without CUDA the same command trains the `tiny` preset on a short context.
 
 (excerpt to be refreshed from the next GPU run)
 """
@@ -34,16 +33,18 @@ import shlex
 import signal
 import statistics
 import sys
+from collections import Counter
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpt import (GPT, GPT2_VOCAB, amp_dtype, autocast, check_output_path, clock, compile_model, configure_optimizer,
-                 elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported, gib, gpt2_tokenizer, is_oom, load_tokens,
-                 make_config, mfu, print_table, resolve_device, set_tf32, use_fp8)
+from gpt import (FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autocast, check_output_path, clock, compile_model,
+                 configure_optimizer, elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported, gib, gpt2_tokenizer,
+                 is_oom, load_tokens, make_config, mfu, print_table, resolve_device, set_tf32, use_fp8)
 
 # --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
 
@@ -52,10 +53,10 @@ def shard(model, bf16):
     """FSDP2: each block's parameters become DTensors split across the ranks (1/world of every
     tensor each). A block's forward all-gathers its weights and frees the gathered copy after it
     (again in backward), and its gradients are reduce-scattered to shards as backward leaves it:
-    only a block or two are ever whole, and sharding block by block lets block i+1's all-gather
-    overlap block i's compute. The last call takes what is left (embeddings, final LayerNorm, the tied
-    output layer). With --bf16 the gathered copies are bf16 (half the bytes to move, no cast per
-    matmul) while the shards the optimizer updates stay fp32 and gradients are summed in fp32."""
+    only a block or two are ever whole, and block i+1's all-gather overlaps block i's compute. The
+    last call takes the rest (embeddings, final LayerNorm, tied output layer). With --bf16 the
+    gathered copies are bf16 (half the bytes to move) while the shards the optimizer updates stay
+    fp32 and gradients are summed in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
@@ -146,23 +147,23 @@ class StepLog:
         self.resume()
 
     def pause(self):
-        """Before evaluating or saving: wait for the last step, and keep its peak memory."""
-        self.finish()
+        """Before evaluating or saving: wait for the last step, print its line, keep its peak memory."""
+        if self.pending is not None:
+            self.print_line(*self.pending)
+            self.pending = None
         if self.device.type == "cuda":
             self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
 
     def resume(self):
-        """Time the next step from here, and track its memory afresh: neither the time nor the
-        memory of evaluation (whose [tokens, vocab] logits can outweigh a training step's) counts."""
+        """Time and track memory afresh from here: neither the time nor the memory of evaluation
+        (whose [tokens, vocab] logits can outweigh a training step's) counts."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.last_end = clock(self.device)
 
-    def mem(self):
-        """Peak memory allocated by tensors in training steps (not what the allocator reserved)."""
-        if self.device.type != "cuda":
-            return "n/a"
-        return f"{gib(max(self.peak, torch.cuda.max_memory_allocated(self.device)))} GiB"
+    def mem(self):  # allocated by tensors in training steps, not what the allocator reserved
+        cuda = self.device.type == "cuda"
+        return f"{gib(max(self.peak, torch.cuda.max_memory_allocated(self.device)))} GiB" if cuda else "n/a"
 
     def queue(self, step, lr, loss, norm, votes=None):
         values = torch.stack([loss.float(), norm.float()] + ([] if votes is None else [votes]))
@@ -172,12 +173,6 @@ class StepLog:
         self.last_end = end
         if previous is not None:
             self.print_line(*previous)
-
-    def finish(self):
-        """Wait for the last queued step and print its line."""
-        if self.pending is not None:
-            self.print_line(*self.pending)
-            self.pending = None
 
     def print_line(self, step, lr, values, start, end):
         dt = elapsed_ms(start, end) / 1e3  # waits for `end`, and so for `values`
@@ -204,8 +199,7 @@ class StopSignal:
     loop can finish the step, save and say how to resume. Under torchrun every rank must stop
     after the same step (FSDP's next forward would wait forever for a rank that left, and saving
     needs them all): each rank's flag rides in the all-reduce that already averages the loss, and
-    StepLog reads the sum with the loss, a step later, so agreeing costs no extra sync. On one
-    process the flag is read directly."""
+    StepLog reads the sum with the loss, a step later, so agreeing costs no extra sync."""
 
     def __init__(self):
         self.signum = None
@@ -228,10 +222,10 @@ def train(args, config, data, state, rank, world, device):
 
     with torch.device(device):  # built where it trains: no host copy of a 2.7B model to initialise and move
         raw_model = GPT(config)
-    if args.fp8:
-        converted = use_fp8(raw_model)
+    if args.fp8 is not None:
+        plan = use_fp8(raw_model, args.fp8)
         if rank == 0:
-            print_fp8_table(raw_model, converted, config.fused_ce)
+            print_fp8_table(plan, args, config)
     if args.fsdp:
         shard(raw_model, args.bf16)  # in place: raw_model is now the sharded model
     optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay)
@@ -249,23 +243,22 @@ def train(args, config, data, state, rank, world, device):
         f"(batch {B} x seq {T} x accum {accum} x {world} process{'es' * (world > 1)}{', FSDP' * args.fsdp})")
     if eval_plan[0] < B:
         log(f"the validation split holds {len(val):,} tokens: evaluating {eval_plan[0]} sequences per process")
-    last = min(args.steps, args.stop_after or args.steps)
     nan_hint = "fp16 overflow without loss scaling" if args.fp16 else f"a learning rate too high (--lr {args.lr})"
     steps = StepLog(step, tokens_per_step, flops_per_step, device, nan_hint, log)
     if args.compile:
         log("compiling... (torch.compile: the first step takes 20-60 s)")
     stop, stopping = StopSignal(), False
     try:
-        for step in range(step, last):
+        for step in range(step, args.last):
             batches = []
             for _ in range(accum):
                 batches.append(get_batch(train_tokens, pos + rank * B * T, B, T, device))
                 pos = next_position(pos, B * T * world, len(train_tokens))
             lr = lr_at(step, args)
-            vote = stop.signum is not None
-            loss, norm, votes = train_step(model, optimizer, scaler, batches, lr, dtype, args, world, vote)
+            loss, norm, votes = train_step(model, optimizer, scaler, batches, lr, dtype, args, world,
+                                           vote=stop.signum is not None)
             steps.queue(step, lr, loss, norm, votes)  # prints the previous step's line while the GPU runs this one
-            at_eval = (step + 1) % args.eval_every == 0 or step + 1 == last
+            at_eval = (step + 1) % args.eval_every == 0 or step + 1 == args.last
             # every rank has read the same votes at this point, so all take the same branch
             stopping = steps.stop_votes > 0 if world > 1 else stop.signum is not None
             if at_eval or stopping:
@@ -282,18 +275,15 @@ def train(args, config, data, state, rank, world, device):
         stop.restore()
     if stopping:
         name = signal.Signals(stop.signum or signal.SIGTERM).name
-        saved = "nothing saved (no --ckpt)" if not args.ckpt else \
-            f"checkpoint {args.ckpt} holds step {step + 1}; resume with: {resume_command(args.argv, world)}"
+        launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
+        again = shlex.join(launcher + ["train.py"] + [a for a in args.argv if a != "--resume"] + ["--resume"])
+        saved = f"checkpoint {args.ckpt} holds step {step + 1}; resume with: {again}" if args.ckpt else \
+            "nothing saved (no --ckpt)"
         log(f"interrupted ({name}) after step {step}: {saved}")
         raise SystemExit(128 + (stop.signum or signal.SIGTERM))
-    log(steps.summary(recompute_cost(config, T)))
+    log(steps.summary(recompute_cost(config, T)) + f" | val loss {val_mean:.4f}")
     if args.sample and (args.fsdp or rank == 0):  # under FSDP every rank must take part in each forward
         print_sample(raw_model, args.sample, device, dtype, args.seed, log)
-
-
-def resume_command(argv, world):
-    launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
-    return shlex.join(launcher + ["train.py"] + [a for a in argv if a != "--resume"] + ["--resume"])
 
 
 def recompute_cost(config, T):
@@ -307,16 +297,16 @@ def recompute_cost(config, T):
     return f" | recompute {n}/{L} blocks: +{100 * extra:.0f}% FLOPs (not in MFU)"
 
 
-def print_fp8_table(model, converted, fused_ce):
-    """Which Linear layers run their matmuls in FP8 (those of gpt.FP8_LAYERS) and which stay bf16."""
-    rows = []
-    for role in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj", "lm_head"):
-        layers = [m for name, m in model.named_modules() if name.endswith(role) and isinstance(m, nn.Linear)]
-        rows.append([role, f"{layers[0].in_features} x {layers[0].out_features}", len(layers),
-                     "FP8 (e4m3; gradients e5m2)" if any(name.endswith(role) for name in converted) else
-                     "bf16" + " (fused with the loss)" * (role == "lm_head" and fused_ce)])
-    print_table(["Linear layer", "in x out", "count", "matmuls in"], rows)
-    print("FP8 where an H100 measured a gain at GPT-2 shapes (precision.py times each layer)")
+def print_fp8_table(plan, args, config):
+    """Which Linears run their matmuls in FP8: the block's four where both widths reach --fp8
+    (default gpt.FP8_MIN_WIDTH: narrower matmuls are too small to repay the scaling passes)."""
+    rows = Counter((name.split(".", 2)[2], f"{n_in} x {n_out}",  # h.3.attn.c_attn -> attn.c_attn
+                    "FP8 (e4m3; gradients e5m2)" if fp8 else f"bf16 (below {args.fp8} wide)")
+                   for name, n_in, n_out, fp8 in plan)
+    rows[("lm_head", f"{config.n_embd} x {config.vocab_size}", "bf16" + " (fused with the loss)" * config.fused_ce)] = 1
+    print_table(["Linear layer", "in x out", "matmuls in", "count"], [[*k, n] for k, n in rows.items()])
+    n = sum(fp8 for *_, fp8 in plan)
+    print(f"--fp8 {args.fp8}: {n} of {len(plan)} block Linears in FP8" + "; --fp8 0 converts all" * (n < len(plan)))
 
 
 # --- 4. data: Tiny Shakespeare as GPT-2 tokens, read sequentially so a run can resume exactly
@@ -353,8 +343,6 @@ def lr_at(step, args):
 # price is a gather through rank 0's host memory (2.7B: 11 GB of weights + 22 GB of Adam state),
 # fine at these sizes; sharded writes win when that no longer fits.
 KIND = "nanoperf train.py checkpoint, format 2"
-RUN_FLAGS = {"model": "--model", "vocab": "--vocab", "seq": "--seq", "grad_accum": "--grad-accum",
-             "steps": "--steps", "sequences": "sequences per micro-step (--batch x processes)"}
 
 
 def run_fields(args, world):
@@ -364,8 +352,6 @@ def run_fields(args, world):
 
 
 def save_checkpoint(path, model, optimizer, scaler, step, pos, args, rank, world):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
     if not (args.fsdp or rank == 0):  # gathering FSDP's shards takes every rank; DDP's ranks hold copies
         return
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all, the others {}
@@ -391,16 +377,16 @@ def read_checkpoint(path, args, world):
     try:  # weights_only: plain tensors and containers, never arbitrary pickled code; mmap: no copy
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise ValueError(f"{path} is not a train.py checkpoint: torch.load cannot read it ({type(e).__name__})") \
-            from None
+        raise ValueError(f"{path} is not a checkpoint: torch.load cannot read it ({type(e).__name__})") from None
     if not (isinstance(state, dict) and state.get("kind") == KIND):
         weights = isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())
         what = ("a bare tensor" if isinstance(state, torch.Tensor) else "weights alone (a state_dict)" if weights
                 else f"a {type(state).__name__} of another kind")
         raise ValueError(f"{path} holds {what}, not a train.py checkpoint")
     for key, now in run_fields(args, world).items():
+        flag = "sequences per micro-step (--batch x processes)" if key == "sequences" else "--" + key.replace("_", "-")
         if state["run"].get(key) != now:
-            raise ValueError(f"{path} was made with {RUN_FLAGS[key]} {state['run'].get(key)}, not {now}")
+            raise ValueError(f"{path} was made with {flag} {state['run'].get(key)}, not {now}")
     return state
 
 
@@ -413,8 +399,6 @@ def is_checkpoint(path):
 
 def apply_checkpoint(state, path, model, optimizer, scaler):
     """Load the full state into the (possibly sharded) model and optimizer: each rank keeps its shard."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # DTensors report the full shape
     have = {k: tuple(v.shape) for k, v in state["model"].items()}
     if have != want:
@@ -468,7 +452,8 @@ def parse_args(argv):
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler (CUDA only)")
     p.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls")
-    p.add_argument("--fp8", action="store_true", help="FP8 matmuls (H100/H200; with --bf16)")
+    p.add_argument("--fp8", type=int, nargs="?", const=FP8_MIN_WIDTH, metavar="MIN_WIDTH", help="FP8 matmuls "
+                   f"(H100/H200, with --bf16) in block Linears MIN_WIDTH wide (default {FP8_MIN_WIDTH}; 0: all)")
     p.add_argument("--no-fused-ce", action="store_true", help="materialise the logits for the loss (unfused)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--attn", default="sdpa", help="naive, sdpa, flash, cudnn, efficient, math, triton")
@@ -499,13 +484,11 @@ def parse_args(argv):
 
 def check_flags(args):
     """Value ranges, before anything starts (ValueError)."""
-    for flag in ("batch", "seq", "steps", "grad_accum", "eval_every", "eval_steps", "stop_after", "recompute", "lr"):
-        value = getattr(args, flag)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}")
-    for flag in ("warmup", "weight_decay", "grad_clip", "sample"):
-        if getattr(args, flag) < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} cannot be negative, got {getattr(args, flag)}")
+    positive = ("batch", "seq", "steps", "grad_accum", "eval_every", "eval_steps", "stop_after", "recompute", "lr")
+    for flag in positive + ("warmup", "weight_decay", "grad_clip", "sample", "fp8"):
+        value, name = getattr(args, flag), "--" + flag.replace("_", "-")
+        if value is not None and (value <= 0 if flag in positive else value < 0):
+            raise ValueError(f"{name} {'must be positive' if flag in positive else 'cannot be negative'}, got {value}")
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     if not 0 <= args.min_lr <= args.lr:
         raise ValueError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
@@ -522,10 +505,9 @@ def check_run(args, world, device):
     """Device-dependent defaults and checks, the data and the checkpoint to resume: (config,
     (train, val, eval plan), checkpoint state or None), or a ValueError."""
     on_cpu = device.type == "cpu"
-    defaults = {"model": ("tiny", "gpt2"), "batch": (8, 16), "seq": (64, 1024), "steps": (50, 200)}
-    for name, (cpu_value, gpu_value) in defaults.items():
+    for name, cpu_gpu in {"model": ("tiny", "gpt2"), "batch": (8, 16), "seq": (64, 1024), "steps": (50, 200)}.items():
         if getattr(args, name) is None:
-            setattr(args, name, cpu_value if on_cpu else gpu_value)
+            setattr(args, name, cpu_gpu[not on_cpu])
     config = make_config(args.model, vocab_size=args.vocab, attn=args.attn, fused_ce=not args.no_fused_ce)
     if args.recompute is not None and args.recompute > config.n_layer:
         raise ValueError(f"--recompute {args.recompute} is above the {config.n_layer} layers of '{args.model}'")
@@ -536,10 +518,10 @@ def check_run(args, world, device):
         raise ValueError("--fp16 needs a CUDA GPU (its GradScaler is CUDA-only here); use --bf16 on the CPU")
     if on_cpu and args.attn in ("cudnn", "efficient", "triton"):
         raise ValueError(f"--attn {args.attn} needs a CUDA GPU")
-    if args.fp8 and not fp8_supported(device):
+    if args.fp8 is not None and not fp8_supported(device):
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
         raise ValueError(f"--fp8 needs a GPU with FP8 tensor cores (H100, H200, Ada), and {name} has none")
-    if args.fp8 and not args.bf16:
+    if args.fp8 is not None and not args.bf16:
         raise ValueError("--fp8 needs --bf16: the layers around the FP8 matmuls run in bf16")
 
     tokens = load_tokens(args.data) if args.data else load_tokens()
@@ -555,8 +537,8 @@ def check_run(args, world, device):
     eval_plan = (rows, min(args.eval_steps, (len(val) - 1) // (rows * args.seq * world)))
 
     state = read_checkpoint(args.ckpt, args, world) if args.resume else None
-    last = min(args.steps, args.stop_after or args.steps)
-    if state is not None and state["step"] >= last:
+    args.last = min(args.steps, args.stop_after or args.steps)  # the loop runs up to here
+    if state is not None and state["step"] >= args.last:
         raise ValueError(f"{args.ckpt} is at step {state['step']}: nothing left to run with --steps {args.steps}"
                          + (f" --stop-after {args.stop_after}" if args.stop_after else ""))
     return config, (train_tokens, val, eval_plan), state
@@ -572,12 +554,11 @@ def init_distributed(args):
     if args.fsdp and world < 2:
         raise ValueError("--fsdp with one process shards nothing: use --nproc_per_node=2 or more")
     device = resolve_device(args.device)
-    if device.type == "cuda":
+    if cuda := device.type == "cuda":
         if local >= torch.cuda.device_count():
             raise ValueError(f"local rank {local} has no GPU: this machine has {torch.cuda.device_count()}")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-    cuda = device.type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return rank, world, device
 
