@@ -571,8 +571,8 @@ def report(results, repeats):
                 parts += [f"B{key[0]} H{key[1]} S{key[2]} D{key[3]}{' fp32 tf32' if key[4] == 'fp32' else ''} {spread(vs, 2, 'x')}"
                           ] if vs and name in ("ours", "ours tf32") else []
             rows.append(["" if i else "B{} H{} S{} D{} {}".format(*key), name, *cells])
-    print(f"\ncausal; do_bench medians; fwd+bwd: median (min-max) of {repeats} repeats; vs SDPA: cuDNN (efficient for"
-          " fp32), paired by repeat; graphed: replayed from a CUDA graph, no L2 flush; n/a: see the lines above")
+    print(f"\ncausal; do_bench medians; fwd+bwd: median (min-max) of {repeats} repeats; vs SDPA: the first SDPA row that"
+          " ran (cuDNN; efficient for fp32), paired by repeat; graphed: replayed from a CUDA graph; n/a: see above")
     print_table(["shape", "impl", "fwd ms", "fwd+bwd ms", "TFLOP/s", "fwd+bwd vs SDPA", "graphed ms"], rows)
     print("summary: ours fwd+bwd / SDPA: " + ("; ".join(parts) or "n/a"))
 
