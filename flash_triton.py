@@ -1,51 +1,48 @@
 """FlashAttention-2, forward and backward, in Triton: the kernel lesson of nanoperf.
 
-Attention never needs the (S, S) score matrix in memory: each program keeps a tile of queries
-on chip, streams key/value tiles past it with an online softmax (a running max and sum), and
-writes O and the row logsumexp L once. The backward recomputes P from Q, K and L instead of
-storing it, with one kernel that owns dQ per query tile and one that owns dK/dV per key tile, so
-no atomics are needed and the gradients are bitwise deterministic. Causal masking skips the tiles
-above the diagonal and masks only the diagonal ones. This file imports nothing from the
-repository: copy it and it runs.
+Attention never needs the (S, S) score matrix in memory: each program keeps a tile of queries on
+chip, streams key/value tiles past it with an online softmax (a running max and sum), and writes O
+and the row logsumexp L once. The backward recomputes P from Q, K and L, with one kernel owning dQ
+per query tile and one owning dK/dV per key tile: no atomics, bitwise deterministic gradients.
+Causal masking skips the tiles above the diagonal and masks only the diagonal ones. This file
+imports nothing from the repository: copy it and it runs.
 
-    python flash_triton.py                 # checks vs a float64 reference, then the benchmark
+    python flash_triton.py                 # the benchmark (on a CPU: the kernels vs the reference)
     python flash_triton.py --shapes 8x16x2048x64 --plot flash.png
-    python flash_triton.py --autotune      # adds a row tuned by @triton.autotune, and its tiles
 
     from flash_triton import FlashAttention, flash_attention
     o = FlashAttention.apply(q, k, v, True)        # (batch, seq, d), (batch, heads, seq, d), ...
     o = flash_attention(q, k, v, causal=True)      # the same, as a plain function
 
-NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-23; bf16 causal fwd+bwd ms,
-do_bench median, SDPA in the same process; each row is this file's configuration at that head dim:
+What was tried, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-23, all in one
+process: bf16 causal fwd+bwd ms, do_bench medians, at B1 H16 S16384 D64 | B1 H16 S16384 D128 |
+B16 H12 S1024 D64 (GPT-2's attention) | B4 H16 S4096 D32 | B4 H16 S4096 D16:
 
-    B1 H16 S16384 D64    ours 5.147   cuDNN 4.506   1.14x   (SDPA flash 6.917; another run 1.14x)
-    B1 H16 S16384 D128   ours 8.661   cuDNN 7.226   1.20x   TMA loads (SDPA flash 12.283)
-    B4 H16 S4096  D128   ours 2.681   cuDNN 2.012   1.33x   TMA loads
-    B4 H16 S4096  D32    ours 1.000   cuDNN 1.214   0.82x   tiles from @triton.autotune
-    B4 H16 S4096  D16    ours 0.900   cuDNN 1.181   0.76x   (another run 0.93x)
-    B16 H12 S1024 D64    ours 0.886   cuDNN 0.379   2.34x   GPT-2's shape (SDPA flash 0.598)
-    fp32 B4 H16 S4096 D64: ours 59.8 exact, 6.48 tf32; SDPA efficient 14.8
-
-At GPT-2's shape a fwd+bwd is 90 GFLOP, a fraction of a millisecond, and do_bench times the whole
-Python call (autograd Function, checks, allocations, three launches) against SDPA's one C++ call;
-kernel options that agreed within 6% at S16384 D64 scattered over 0.83-1.25 ms there (section 4).
-The `graphed` column replays the call from a CUDA graph, free of Python and launch cost, to tell
-kernel time from call overhead.
+    fixed tiles, plain loads              5.15 |  9.23 | 0.89 | 1.16 | 0.90   default at D64, D16
+    TMA descriptor loads                  5.21 |  8.66 | 1.17 | 1.25 | 1.18   default at D128
+    TMA + warp-specialized forward loop   5.33 |  8.57 | 0.95 | 1.20 | 1.38   dropped (forward no faster)
+    causal tiles paired long with short   5.45 | 10.16 | 1.13 | 1.14 | 1.06   dropped
+    @triton.autotune per (Nq, Nk, D)      5.14 |  9.19 | 1.16 | 1.00 | 1.28   its tiles: default at D32
+    SDPA cuDNN                            4.51 |  7.23 | 0.38 | 1.21 | 1.18
+    SDPA flash                            6.92 | 12.28 | 0.60
+    B4 H16 S4096 D128: ours 2.68, cuDNN 2.01; fp32 B4 H16 S4096 D64: ours 59.8 exact, 6.48 tf32, SDPA
+    efficient 14.8. At GPT-2's shape do_bench times our Python call (autograd Function, checks, three
+    launches) against SDPA's one C++ call; the `graphed` column replays both from CUDA graphs.
 """
 
 import argparse
+import itertools
 import math
 import os
 import re
+import statistics
 import sys
-import warnings
 from functools import partial
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# The Triton interpreter must be chosen before triton is imported: without a GPU the kernels run
-# (slowly, in numpy) under TRITON_INTERPRET=1, which is what the CPU tests rely on.
+# Without a GPU the kernels run (slowly, in numpy) under TRITON_INTERPRET=1, set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -68,12 +65,10 @@ def fail(message):
 
 
 def print_table(headers, rows):
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    for n, row in enumerate(cells):
-        print("  ".join(c.ljust(w) if i < 2 or n == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
+    cells = [[str(c) for c in row] for row in (headers, *rows)]
+    widths = [max(map(len, column)) for column in zip(*cells)]
+    for n, row in enumerate([cells[0], ["-" * w for w in widths], *cells[1:]]):
+        print("  ".join(c.ljust(w) if i < 2 or n < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
 
 
 # --- 1. the reference: FlashAttention-2 tile by tile in plain PyTorch, on (..., seq, d) tensors
@@ -106,26 +101,13 @@ def _torch_forward(q, k, v, causal, scale, block=64):
     return o, lse
 
 
-def _torch_backward(q, k, v, o, lse, do, causal, scale):
-    """dQ, dK, dV by the FA2 backward equations, with P = exp(S - L) recomputed from the saved L
-    rather than stored: dV = P^T dO, dP = dO V^T, dS = P * (dP - D) with D = rowsum(dO * O),
-    dQ = scale dS K, dK = scale dS^T Q. (Here in one piece; the kernels go tile by tile.)"""
-    q, k, v, o, do = (t.float() for t in (q, k, v, o, do))
-    p = torch.exp((q @ k.transpose(-1, -2)) * scale - lse[..., None])
-    if causal:
-        p = p.masked_fill(torch.ones(p.shape[-2:], dtype=torch.bool, device=p.device).triu(1), 0.0)
-    ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
-    return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ do
-
-
 class FlashAttentionTorch(torch.autograd.Function):
-    """The readable reference: O from the tiled forward, L kept for a backward that recomputes P.
-    apply(q, k, v, is_causal=False, scale=None, precision=None); precision is accepted for the
-    same signature as FlashAttention (this one always computes in fp32)."""
+    """The readable reference: O from the tiled forward, L kept for a backward that recomputes P. Same
+    apply(q, k, v, is_causal=False, scale=None, precision=None) as FlashAttention; computes in fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, scale=None, precision=None):
-        check_shapes(q, k, v, is_causal)
+        check_inputs(q, k, v, is_causal)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         o, lse = _torch_forward(q, k, v, is_causal, scale)
         o = o.to(q.dtype)
@@ -135,18 +117,17 @@ class FlashAttentionTorch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        """The FA2 backward equations, with P = exp(S - L) recomputed from the saved L rather than
+        stored: dV = P^T dO, dP = dO V^T, dS = P * (dP - D) with D = rowsum(dO * O), dQ = scale dS K,
+        dK = scale dS^T Q. (Here in one piece; the kernels go tile by tile.)"""
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _torch_backward(q, k, v, o, lse, do, ctx.causal, ctx.scale)
+        qf, kf, vf, o, do = (t.float() for t in (q, k, v, o, do))
+        p = torch.exp((qf @ kf.transpose(-1, -2)) * ctx.scale - lse[..., None])
+        if ctx.causal:
+            p = p.masked_fill(torch.ones(p.shape[-2:], dtype=torch.bool, device=p.device).triu(1), 0.0)
+        ds = p * (do @ vf.transpose(-1, -2) - (do * o).sum(-1, keepdim=True)) * ctx.scale
+        dq, dk, dv = ds @ kf, ds.transpose(-1, -2) @ qf, p.transpose(-1, -2) @ do
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
-def naive_reference(q, k, v, causal, scale):
-    """O and L in float64 with the full score matrix: the ground truth for small shapes."""
-    q, k, v = q.double(), k.double(), v.double()
-    s = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
-    return s.softmax(-1) @ v, s.logsumexp(-1)
 
 
 # --- 2. Triton forward: one program per (query tile, batch*head)
@@ -382,62 +363,32 @@ def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, sqb, sqh, sqn, skb, skh, skn, sv
 
 # --- 4. tile configurations, launchers and the autograd.Functions
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim for 16-bit inputs; dkdv's BLOCK_M is the
-# query slice it iterates over its key tile (the diagonal tile uses half of it), dq's BLOCK_N the
-# key slice. Found by @triton.autotune on an H100 (bf16, causal): D64 and D128 at S16384, D32 at
-# S4096; D16 keeps the D64 tiles (autotune's were slower there).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim for 16-bit inputs; dkdv's BLOCK_M is the query
+# slice it iterates over its key tile (the diagonal uses half of it), dq's BLOCK_N the key slice. From
+# @triton.autotune on an H100 (bf16, causal; D16 keeps D64's); the docstring has what else was tried.
 D64_TILES = {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (128, 64, 4, 2)}
 TUNED = {16: D64_TILES, 32: {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 3)}, 64: D64_TILES,
          128: {"fwd": (128, 128, 8, 3), "dkdv": (64, 64, 4, 2), "dq": (128, 64, 8, 3)}}
 TMA_HEAD_DIMS = (128,)  # tiles load through Hopper's tensor-memory accelerator (descriptors)
-# fp32 tiles take twice the shared memory, and exact fp32 dots run on the CUDA cores, not the
-# tensor cores: small tiles keep registers (and compile time) in check. The interpreter uses
-# small tiles too, so the CPU tests cross many tile (and diagonal sub-tile) boundaries.
+# fp32 tiles take twice the shared memory, and exact fp32 dots run on the CUDA cores: small tiles keep
+# registers and compile time in check. Small interpreter tiles make CPU tests cross many boundaries.
 FP32_TILES = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
 INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
-
-# What was tried on an H100 (bf16, causal, fwd+bwd ms, do_bench, one process, 2026-11-23), at
-# B1 H16 S16384 D64 | B1 H16 S16384 D128 | B16 H12 S1024 D64 | B4 H16 S4096 D32 | B4 H16 S4096 D16:
-#   TUNED tiles, plain loads               5.15 |  9.23 | 0.89 | 1.16 | 0.90
-#   TMA descriptor loads                   5.21 |  8.66 | 1.17 | 1.25 | 1.18   kept at D128 only
-#   TMA + warp-specialized forward loop    5.33 |  8.57 | 0.95 | 1.20 | 1.38   dropped (forward no faster)
-#   causal tiles paired long with short    5.45 | 10.16 | 1.13 | 1.14 | 1.06   dropped
-#   @triton.autotune per (Nq, Nk, D)       5.14 |  9.19 | 1.16 | 1.00 | 1.28   D32 tiles kept
-#   SDPA cuDNN                             4.51 |  7.23 | 0.38 | 1.21 | 1.18
-# --autotune searches these candidates again (for another GPU) and prints what it chose.
-CANDIDATES = {"fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
-              "dkdv": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2)],
-              "dq": [(128, 64, 4, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]}
-AUTOTUNE = False  # FlashAttention reads it at each forward; the benchmark's --autotune row sets it
-
-
-def _meta(kernel, bm, bn):
-    # the diagonal's sub-tile (DIAG): half of the dimension that iterates, at least a dot's 16
-    return {"BLOCK_M": bm, "BLOCK_N": bn, **({} if kernel == "fwd" else {"DIAG": max((bm if kernel == "dkdv" else bn) // 2, 16)})}
-
-
 KERNELS = {"fwd": _fwd_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
-AUTOTUNED = {name: triton.autotune([triton.Config(_meta(name, *c[:2]), num_warps=c[2], num_stages=c[3]) for c in CANDIDATES[name]],
-                                   key=["Nq", "Nk", "D", "CAUSAL", "PRECISION", "TMA"])(kernel)  # dtypes join the key by themselves
-             for name, kernel in KERNELS.items()}
 
 
-def _launch(name, n, BH, args, dtype, autotune, **meta):
-    """Launch kernel `name` over n rows (queries, or keys for dkdv) of B*H heads, with the fixed
-    tiles above or through @triton.autotune."""
-    tile = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
+def _launch(name, n, BH, args, dtype, **meta):
+    """Launch kernel `name` with its tiles over n rows (queries, or keys for dkdv) of B*H heads."""
     if meta["TMA"]:
         # Descriptors made inside a kernel live in a scratch buffer Triton asks for at launch. The
         # allocator is per thread, and autograd runs the backward on a thread of its own.
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
-    if autotune and dtype != torch.float32 and not INTERPRETED:
-        AUTOTUNED[name][lambda m: ((n + m[tile] - 1) // m[tile], BH)](*args, **meta)
-    else:
-        tiles = INTERPRETER_TILES if INTERPRETED else FP32_TILES if dtype == torch.float32 else TUNED[meta["D"]]
-        bm, bn, warps, stages = tiles[name]
-        config = _meta(name, bm, bn)
-        KERNELS[name][((n + config[tile] - 1) // config[tile], BH)](*args, **meta, **config, num_warps=warps,
-                                                                     num_stages=stages)
+    tiles = INTERPRETER_TILES if INTERPRETED else FP32_TILES if dtype == torch.float32 else TUNED[meta["D"]]
+    bm, bn, warps, stages = tiles[name]
+    if name != "fwd":  # the diagonal's sub-tile: half of the dimension that iterates, at least a dot's 16
+        meta["DIAG"] = max((bm if name == "dkdv" else bn) // 2, 16)
+    tile = bn if name == "dkdv" else bm
+    KERNELS[name][((n + tile - 1) // tile, BH)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
 
 def _use_tma(*tensors):
@@ -447,17 +398,15 @@ def _use_tma(*tensors):
 
 
 def _as_4d(t):
-    # (batch, seq, d) -> (batch, 1, seq, d); (..., heads, seq, d) -> (batch, heads, seq, d): views
-    # where the strides allow; the kernels need the last dimension contiguous
+    # (batch, seq, d) -> (batch, 1, seq, d), (..., heads, seq, d) -> (batch, heads, seq, d); last dim contiguous
     if t.dim() != 4:
         t = t.unsqueeze(1) if t.dim() == 3 else t.flatten(0, -4)
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 class FlashAttention(torch.autograd.Function):
-    """The Triton kernels as an autograd op: apply(q, k, v, is_causal=False, scale=None,
-    precision=None) on (..., seq, d) tensors. Saves q, k, v, O and the fp32 logsumexp L (shaped
-    like q without its last dimension) for a backward that recomputes the probabilities."""
+    """The Triton kernels as an autograd op, apply(q, k, v, is_causal=False, scale=None, precision=None) on
+    (..., seq, d) tensors. Saves q, k, v, O and the fp32 logsumexp L (q's shape less its last dimension)."""
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, scale=None, precision=None):
@@ -473,12 +422,12 @@ class FlashAttention(torch.autograd.Function):
         o = torch.empty(B, Nq, H, D, device=q.device, dtype=q.dtype).transpose(1, 2)
         lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)  # natural log, like torch.logsumexp
         _launch("fwd", Nq, B * H, (q4, k4, v4, o, lse, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3],
-                                   *o.stride()[:3], H, Nq, k4.shape[2], scale * LOG2E), q.dtype, AUTOTUNE,
+                                   *o.stride()[:3], H, Nq, k4.shape[2], scale * LOG2E), q.dtype,
                 CAUSAL=is_causal, D=D, PRECISION=precision, TMA=_use_tma(q4, k4, v4))
         if q.dim() != 4:  # (a view costs microseconds of Python, which a short kernel notices)
             o, lse = o.view(q.shape), lse.view(q.shape[:-1])
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.precision, ctx.autotune = is_causal, scale, precision, AUTOTUNE
+        ctx.causal, ctx.scale, ctx.precision = is_causal, scale, precision
         return o
 
     @staticmethod
@@ -494,23 +443,22 @@ class FlashAttention(torch.autograd.Function):
         meta = dict(CAUSAL=ctx.causal, D=D, PRECISION=ctx.precision, TMA=_use_tma(q4, k4, v4, do4))
         # dQ first: it also writes D = rowsum(dO * O), which the dK/dV kernel reads. No atomics.
         _launch("dq", Nq, B * H, (q4, k4, v4, o4, do4, lse, delta, dq, *qkv_strides, *o4.stride()[:3],
-                                  *do4.stride()[:3], *tail), q.dtype, ctx.autotune, **meta)
+                                  *do4.stride()[:3], *tail), q.dtype, **meta)
         _launch("dkdv", Nk, B * H, (q4, k4, v4, do4, lse, delta, dk, dv, *qkv_strides, *do4.stride()[:3], *tail),
-                q.dtype, ctx.autotune, **meta)
+                q.dtype, **meta)
         if q.dim() != 4:
             dq, dk, dv = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
         return dq, dk, dv, None, None, None
 
 
-def torch_fp32_precision():
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):  # newer torch; reading allow_tf32 there would warn
-        return "tf32" if matmul.fp32_precision == "tf32" else "ieee"
-    return "tf32" if matmul.allow_tf32 else "ieee"
+def torch_fp32_precision():  # newer torch has fp32_precision, and reading allow_tf32 there warns
+    m = torch.backends.cuda.matmul
+    return "tf32" if (m.fp32_precision == "tf32" if hasattr(m, "fp32_precision") else m.allow_tf32) else "ieee"
 
 
-def check_shapes(q, k, v, causal):
-    """Raise ValueError, in one sentence, for shapes attention cannot take."""
+def check_inputs(q, k, v, causal, precision=None):
+    """Raise ValueError, in one sentence, for shapes attention cannot take; with a precision, also
+    for what the kernels do not support: head dims, dtypes, devices, precision."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         raise ValueError("q, k and v must be torch tensors")
     if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
@@ -522,11 +470,8 @@ def check_shapes(q, k, v, causal):
         raise ValueError("sequence length and batch must be at least 1")
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal attention needs equal query and key lengths, got {q.shape[-2]} and {k.shape[-2]}")
-
-
-def check_inputs(q, k, v, causal, precision):
-    """check_shapes, then what the kernels support: head dims, dtypes, devices, precision."""
-    check_shapes(q, k, v, causal)
+    if precision is None:  # the PyTorch reference takes any head dim, dtype and device
+        return
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"head dim {q.shape[-1]} is not supported; use one of {HEAD_DIMS}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES.values():
@@ -548,109 +493,41 @@ def flash_attention(q, k, v, causal=False, scale=None, precision=None):
     return FlashAttention.apply(q, k, v, causal, scale, precision)
 
 
-
-# --- 5. correctness checks against the references
-
-
-def relative_error(x, ref):
-    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-
-
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # relative, by input dtype
-
-
-def check_shape(B, H, Nq, Nk, D, dtype, causal, device):
-    """Relative errors of O, L, dQ, dK, dV against the float64 reference: the Triton kernels
-    (exact fp32 dots for fp32 inputs), then FlashAttentionTorch. L is read back from the tensors
-    the Function saved for its backward."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(B, H, n, D, device=device, generator=gen).to(dtype) for n in (Nq, Nk, Nk))
-    do = torch.randn(B, H, Nq, D, device=device, generator=gen).to(dtype)
-    ref = [t.double().requires_grad_() for t in (q, k, v)]
-    o_ref, lse_ref = naive_reference(*ref, causal, D**-0.5)
-    expected = (o_ref, lse_ref, *torch.autograd.grad(o_ref, ref, do.double()))
-    errors = []
-    for fn in (FlashAttention, FlashAttentionTorch):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        o = fn.apply(*leaves, causal, None, "ieee")
-        lse = next(t for t in o.grad_fn.saved_tensors if t.shape == q.shape[:-1])
-        got = (o, lse, *torch.autograd.grad(o, leaves, do))
-        errors.append([relative_error(x, r) for x, r in zip(got, expected)])
-    return errors
-
-
-def run_checks(device, dtypes):
-    """Print a table of relative errors; return True when all are within the dtype's tolerance."""
-    if device.type == "cuda":  # D128 (TMA loads) with a ragged length, non-causal with Nq != Nk
-        shapes = [(2, 4, 1024, 1024, 64, True), (1, 3, 517, 781, 32, False), (2, 4, 1000, 1000, 128, True),
-                  (1, 2, 300, 300, 16, True)]
-    else:  # the interpreter: small shapes, ragged lengths, Nq != Nk
-        shapes = [(1, 2, 48, 48, 16, True), (1, 1, 40, 72, 32, False)]
-    rows, ok = [], True
-    for dtype in dtypes:
-        # exact fp32 kernels compile slowly (unrolled FMA dots): two shapes are enough there
-        for B, H, Nq, Nk, D, causal in shapes[:2] if dtype == torch.float32 else shapes:
-            ours, reference = check_shape(B, H, Nq, Nk, D, dtype, causal, device)
-            passed = max(ours + reference) < TOLERANCE[dtype]
-            ok &= passed
-            rows.append([f"{dtype_name(dtype)} B{B} H{H} Nq{Nq} Nk{Nk} D{D}{' causal' if causal else ''}",
-                         *(f"{e:.1e}" for e in ours), f"{max(reference):.1e}", "ok" if passed else "FAIL"])
-    print_table(["shape", "O err", "L err", "dQ err", "dK err", "dV err", "torch ref max err", "check"], rows)
-    return ok
-
-
-def dtype_name(dtype):
-    return next(name for name, d in DTYPES.items() if d == dtype)
-
-
-# --- 6. benchmark against SDPA's backends (do_bench: each pipeline alone, L2 flushed between calls)
+# --- 5. benchmark against SDPA's backends (do_bench: each pipeline alone, L2 flushed between calls)
 
 # the targets: long context at D64 and D128, GPT-2 124M's own attention (B16 H12 S1024 D64), the
 # small head dims, and one fp32 row (SDPA's flash and cuDNN backends take only 16-bit inputs)
-SHAPES = [(1, 16, 16384, 64), (1, 16, 16384, 128), (16, 12, 1024, 64), (4, 16, 4096, 128),
-          (4, 16, 4096, 32), (4, 16, 4096, 16)]
-FP32_SHAPE = (4, 16, 4096, 64)
-SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+SHAPES = [(1, 16, 16384, 64, "bf16"), (1, 16, 16384, 128, "bf16"), (16, 12, 1024, 64, "bf16"),
+          (4, 16, 4096, 128, "bf16"), (4, 16, 4096, 32, "bf16"), (4, 16, 4096, 16, "bf16"), (4, 16, 4096, 64, "fp32")]
 
 
-def attention_flops(B, H, S, D, causal, mode):
-    """FA convention: 4*B*H*S^2*D for the forward (two matmuls), halved for causal; backward 2.5x."""
-    fwd = 4 * B * H * S * S * D / (2 if causal else 1)
-    return fwd if mode == "fwd" else 3.5 * fwd
+def tflops(B, H, S, D, dtype, ms):
+    """Causal fwd+bwd, FA convention: forward 4*B*H*S^2*D (two matmuls) halved, backward 2.5x that."""
+    return 3.5 * 2 * B * H * S * S * D / ms / 1e9
 
 
 def sdpa(backend, q, k, v, causal):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     with sdpa_kernel(getattr(SDPBackend, backend)):  # pinned: raises instead of silently falling back
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def ours(precision, autotune, q, k, v, causal):
-    global AUTOTUNE
-    AUTOTUNE = autotune
-    return flash_attention(q, k, v, causal, precision=precision)
+# ours, then what it is measured against: SDPA's cuDNN and flash backends for 16-bit inputs, the
+# memory-efficient one for fp32 (the only fused SDPA kernel that takes fp32)
+IMPLS = {"bf16": {"ours": flash_attention, "sdpa cudnn": partial(sdpa, "CUDNN_ATTENTION"),
+                  "sdpa flash": partial(sdpa, "FLASH_ATTENTION")},
+         "fp32": {"ours ieee": partial(flash_attention, precision="ieee"), "ours tf32": partial(flash_attention, precision="tf32"),
+                  "sdpa efficient": partial(sdpa, "EFFICIENT_ATTENTION")}}
 
 
-def make_impls(dtype, autotune):
-    if dtype == torch.float32:
-        impls = {"ours ieee": partial(ours, "ieee", False), "ours tf32": partial(ours, "tf32", False)}
-    else:
-        impls = {"ours": partial(ours, None, False), **({"ours autotuned": partial(ours, None, True)} if autotune else {})}
-    return {**impls, **{f"sdpa {name}": partial(sdpa, backend) for name, backend in SDPA.items()}}
-
-
-def time_impl(f, B, H, S, D, dtype, causal):
-    """(fwd ms, fwd+bwd ms, fwd+bwd ms replayed from a CUDA graph or None), medians, or why it
-    could not run: out of memory, a backend that does not take these inputs."""
-    q = k = v = do = None
+def time_impl(f, B, H, S, D, dtype):
+    """Causal (fwd ms, fwd+bwd ms, fwd+bwd ms replayed from a CUDA graph or None), do_bench medians,
+    or why it could not run: out of memory, a backend that does not take these inputs."""
     try:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=gen) for _ in range(4))
-        fwd = triton.testing.do_bench(lambda: f(q, k, v, causal), return_mode="median")
+        q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(4))
+        fwd = triton.testing.do_bench(lambda: f(q, k, v, True), return_mode="median")
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         # autograd.grad rather than .backward(): no gradient accumulation kernels in the timing
-        step = lambda: torch.autograd.grad(f(q, k, v, causal), (q, k, v), do)  # noqa: E731
+        step = lambda: torch.autograd.grad(f(q, k, v, True), (q, k, v), do)  # noqa: E731
         both = triton.testing.do_bench(step, return_mode="median")
         try:  # the same calls captured once and replayed: GPU time without Python's launch cost
             graphed = triton.testing.do_bench_cudagraph(step, return_mode="median")
@@ -659,101 +536,90 @@ def time_impl(f, B, H, S, D, dtype, causal):
         return fwd, both, graphed
     except Exception as e:  # noqa: BLE001 -- a failure is a cell; the benchmark goes on
         return "OOM" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {str(e).strip()[:120]}"
-    finally:
-        del q, k, v, do
-        torch.cuda.empty_cache()
 
 
-def run_benchmark(shapes, causal, autotune):
-    """{(B, H, S, D, dtype name): {impl: (fwd, fwd+bwd, graphed fwd+bwd ms) or why not}}, printed
-    as one table."""
-    results, rows = {}, []
+def run_benchmark(shapes, repeats):
+    """{(B, H, S, D, dtype): {impl: [(fwd, fwd+bwd, graphed ms) per repeat] or why not}}. Each
+    repeat times every implementation in turn, so a ratio pairs calls made close in time."""
+    results = {}
     for B, H, S, D, dtype in shapes:
-        label = f"B{B} H{H} S{S} D{D} {dtype_name(dtype)}"
-        times = results[B, H, S, D, dtype_name(dtype)] = {}
-        for name, f in make_impls(dtype, autotune).items():
-            with warnings.catch_warnings():  # SDPA warns for each backend that declines fp32 (a cell says n/a)
-                warnings.simplefilter("ignore")
-                t = times[name] = time_impl(f, B, H, S, D, dtype, causal)
-            print(f"  {label} {name}: " + (f"failed ({t})" if isinstance(t, str) else "fwd {:.3f}, fwd+bwd {:.3f}, "
-                  "graphed {:.3f} ms".format(*t[:2], t[2] or math.nan)), flush=True)
-            if name == "ours autotuned" and not isinstance(t, str):
-                print("    autotune chose " + "; ".join(f"{k} {c.best_config}" for k, c in AUTOTUNED.items()))
-        fastest = min((t[1] for n, t in times.items() if n.startswith("sdpa") and not isinstance(t, str)), default=None)
-        for i, (name, t) in enumerate(times.items()):
-            cells = ["OOM" if t == "OOM" else "n/a"] * 4 if isinstance(t, str) else [
-                *(f"{ms:.3f} / {attention_flops(B, H, S, D, causal, mode) / ms / 1e9:.0f}" for ms, mode in zip(t, ("fwd", "both"))),
-                f"{t[1] / fastest:.2f}x" if fastest else "n/a", f"{t[2]:.3f}" if t[2] else "n/a"]
-            rows.append([label if i == 0 else "", name, *cells])
-    print(f"\n{'causal' if causal else 'non-causal'}; median ms / TFLOP/s (FA convention); graphed: fwd+bwd replayed"
-          " from a CUDA graph, no L2 flush; n/a: the backend does not take these inputs (the lines above say why)")
-    print_table(["shape", "impl", "fwd", "fwd+bwd", "fwd+bwd / fastest SDPA", "graphed ms"], rows)
+        times = results[B, H, S, D, dtype] = {}
+        for r, (name, f) in itertools.product(range(repeats), IMPLS[dtype].items()):
+            if not isinstance(times.get(name), str):
+                t = time_impl(f, B, H, S, D, DTYPES[dtype])
+                torch.cuda.empty_cache()  # the inputs died with time_impl's frame
+                times[name] = t if isinstance(t, str) else times.get(name, []) + [t]
+                print(f"  B{B} H{H} S{S} D{D} {dtype} {name}: {t if isinstance(t, str) else f'fwd+bwd {t[1]:.3f} ms'}",
+                      flush=True)
     return results
 
 
-def plot_tflops(results, causal, path):
+def report(results, repeats):
+    """The table, then the summary: ours over SDPA cuDNN (efficient for fp32), paired by repeat."""
+    spread = lambda xs, n=3, x="": (f"{statistics.median(xs):.{n}f}{x}"  # noqa: E731 -- median (min-max)
+                                    + (f" ({min(xs):.{n}f}-{max(xs):.{n}f})" if len(xs) > 1 else ""))
+    rows, parts = [], []
+    for key, times in results.items():
+        base = next((t for name, t in times.items() if name.startswith("sdpa") and not isinstance(t, str)), None)
+        for i, (name, t) in enumerate(times.items()):
+            cells = ["OOM" if t == "OOM" else "n/a"] * 5
+            if not isinstance(t, str):
+                fwd, both, graphed = ([r[j] for r in t if r[j]] for j in range(3))
+                vs = [a[1] / b[1] for a, b in zip(t, base)] if base else []
+                cells = [f"{statistics.median(fwd):.3f}", spread(both), f"{tflops(*key, statistics.median(both)):.0f}",
+                         spread(vs, 2, "x") if vs else "n/a", f"{statistics.median(graphed):.3f}" if graphed else "n/a"]
+                parts += [f"B{key[0]} H{key[1]} S{key[2]} D{key[3]}{' fp32 tf32' if key[4] == 'fp32' else ''} {spread(vs, 2, 'x')}"
+                          ] if vs and name in ("ours", "ours tf32") else []
+            rows.append(["" if i else "B{} H{} S{} D{} {}".format(*key), name, *cells])
+    print(f"\ncausal; do_bench medians; fwd+bwd: median (min-max) of {repeats} repeats; vs SDPA: the first SDPA row that"
+          " ran (cuDNN; efficient for fp32), paired by repeat; graphed: replayed from a CUDA graph; n/a: see above")
+    print_table(["shape", "impl", "fwd ms", "fwd+bwd ms", "TFLOP/s", "fwd+bwd vs SDPA", "graphed ms"], rows)
+    print("summary: ours fwd+bwd / SDPA: " + ("; ".join(parts) or "n/a"))
+
+
+def plot_tflops(results, path):
     """fwd+bwd TFLOP/s, a group of bars per shape, a bar per implementation."""
-    plt = pyplot(path)
-    names = list(dict.fromkeys(name for times in results.values() for name in times))
-    width = 0.8 / len(names)
+    import matplotlib.pyplot as plt
+
+    plt.switch_backend("Agg")
     fig, ax = plt.subplots(figsize=(2 + 1.5 * len(results), 4))
-    for i, name in enumerate(names):
-        bars = [(x + i * width, attention_flops(*key[:4], causal, "both") / t[1] / 1e9)
-                for x, (key, times) in enumerate(results.items()) if not isinstance(t := times.get(name, "n/a"), str)]
+    width = 0.8 / max(map(len, results.values()))
+    for name in dict.fromkeys(name for times in results.values() for name in times):  # each bar at its place in its shape
+        bars = [(x + width * (list(times).index(name) - (len(times) - 1) / 2), tflops(*key, statistics.median(r[1] for r in t)))
+                for x, (key, times) in enumerate(results.items()) if isinstance(t := times.get(name), list)]
         if bars:
             ax.bar(*zip(*bars), width, label=name)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(results))], ["B{} H{}\nS{} D{}\n{}".format(*key) for key in results])
-    ax.set(ylabel="fwd+bwd TFLOP/s", title=f"{'causal' if causal else 'non-causal'} attention")
+    ax.set_xticks(range(len(results)), ["B{} H{}\nS{} D{}\n{}".format(*key) for key in results])
+    ax.set(ylabel="causal fwd+bwd TFLOP/s", title="FlashAttention-2 in Triton vs SDPA")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     print(f"wrote {path}")
 
 
-def pyplot(path):
-    """matplotlib's pyplot for --plot (imported only then: it is optional), or a ValueError."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise ValueError(f"--plot {path}: not a file this script can write (a folder, or in a missing or read-only one)")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ModuleNotFoundError:
-        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
-    return plt
-
-
-# --- 7. main
+# --- 6. main
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", help="comma-separated BxHxSxD, bf16, e.g. 1x16x16384x64 (default: the target shapes "
-                   "and an fp32 row)")
-    p.add_argument("--non-causal", action="store_true")
-    p.add_argument("--autotune", action="store_true", help="add a row tuned by @triton.autotune (compiles every "
-                   "candidate tile: minutes) and print the tiles it chose")
-    p.add_argument("--skip-checks", action="store_true")
+    p.add_argument("--shapes", help="comma-separated BxHxSxD, bf16, e.g. 1x16x16384x64 (default: the targets and fp32)")
+    p.add_argument("--repeats", type=int, default=2, help="times each shape is measured, every implementation in turn")
     p.add_argument("--plot", help="draw fwd+bwd TFLOP/s per shape into this PNG (needs matplotlib)")
     args = p.parse_args(argv)
-    if args.shapes:
-        args.shapes = [(*parse_shape(s), torch.bfloat16) for s in args.shapes.split(",")]
-    else:
-        args.shapes = [(*s, torch.bfloat16) for s in SHAPES] + [(*FP32_SHAPE, torch.float32)]
-    if args.plot and INTERPRETED:
-        raise ValueError("--plot draws the benchmark, which needs a CUDA GPU")
-    if args.plot:
-        pyplot(args.plot)
+    for text in args.shapes.split(",") if args.shapes else []:
+        if not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*x(16|32|64|128)", text):
+            raise ValueError(f"--shapes takes positive BxHxSxD with D one of {HEAD_DIMS}, got '{text}'")
+    args.shapes = [(*map(int, s.split("x")), "bf16") for s in args.shapes.split(",")] if args.shapes else SHAPES
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.plot:  # before any work: a GPU, a path this script can write, matplotlib (optional, imported only here)
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if INTERPRETED or os.path.isdir(args.plot) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--plot {args.plot}: the plot needs a CUDA GPU and a PNG path this script can write")
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError:
+            raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
     return args
-
-
-def parse_shape(text):
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)", text)
-    if not m or min(map(int, m.groups())) < 1 or int(m.group(4)) not in HEAD_DIMS:
-        raise ValueError(f"--shapes takes positive BxHxSxD with D one of {HEAD_DIMS}, got '{text}'")
-    return tuple(map(int, m.groups()))
 
 
 def main(argv=None):
@@ -761,28 +627,20 @@ def main(argv=None):
         args = parse_args(argv)
     except ValueError as e:
         fail(str(e))
-    if INTERPRETED:
-        print("no CUDA GPU: running the kernels under TRITON_INTERPRET=1 on small shapes (seconds); no benchmark")
-        ok = run_checks(torch.device("cpu"), [torch.float32, torch.float16])
-        print(f"summary: correctness {'passed' if ok else 'FAILED'} on CPU (interpreter); benchmark needs a GPU")
-        sys.exit(0 if ok else 1)
+    if INTERPRETED:  # no GPU: one small causal case in fp32, the kernels against section 1's reference
+        print("no CUDA GPU: the kernels run under TRITON_INTERPRET=1 (seconds) against the PyTorch reference; no benchmark")
+        q, k, v, do = torch.randn(4, 2, 3, 80, 32, generator=torch.Generator().manual_seed(0))
+        leaves = [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]
+        outs = [(o := fn.apply(*x, True), o.grad_fn.saved_tensors[-1], *torch.autograd.grad(o, x, do))  # O, L, dQ, dK, dV
+                for fn, x in zip((FlashAttention, FlashAttentionTorch), leaves)]
+        error = max(((a - b).norm() / b.norm()).item() for a, b in zip(*outs))
+        print(f"summary: O, L, dQ, dK, dV within {error:.1e} of the reference (relative): {'ok' if error < 1e-5 else 'FAIL'}")
+        sys.exit(0 if error < 1e-5 else 1)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    try:
-        ok = args.skip_checks or run_checks(torch.device("cuda"), [torch.float32, torch.float16, torch.bfloat16])
-    except torch.OutOfMemoryError:
-        fail("the correctness checks ran out of GPU memory (they need about 1 GiB free)")
-    causal = not args.non_causal
-    results = run_benchmark(args.shapes, causal, args.autotune)
+    results = run_benchmark(args.shapes, args.repeats)
     if args.plot:
-        plot_tflops(results, causal, args.plot)
-    parts = []
-    for (B, H, S, D, dt), t in results.items():
-        cudnn, mine = t["sdpa cudnn"], t.get("ours", t.get("ours tf32"))
-        if not isinstance(mine, str) and not isinstance(cudnn, str):
-            graphed = f", graphed {mine[2] / cudnn[2]:.2f}x" if mine[2] and cudnn[2] else ""
-            parts.append(f"B{B} H{H} S{S} D{D} {mine[1] / cudnn[1]:.2f}x{graphed}")
-    checks = "skipped" if args.skip_checks else "passed" if ok else "FAILED"
-    print(f"summary: checks {checks}; fwd+bwd vs SDPA cuDNN: " + ("; ".join(parts) or "n/a"))
+        plot_tflops(results, args.plot)
+    report(results, args.repeats)
 
 
 if __name__ == "__main__":
