@@ -19,6 +19,7 @@ CPU, torch 2.13.0, 2026-11-23, `python memory.py account --bf16 --recompute 1 --
     phase      its predicted peak moment  predicted MiB  measured MiB
     forward          forward: loss chunk         454.55        454.56
     backward                backward end         159.85        159.85
+    saved for backward: predicted 27,309,056 bytes, saved-tensor hooks saw 27,309,056
 
 2xH200, torch 2.11.0+cu130, 2026-11-23: peak mem of `torchrun --nproc_per_node=2 train.py --vocab
 50304 --bf16 --compile --steps 30` against `python memory.py account` with the same flags:
@@ -93,7 +94,8 @@ def saved_per_layer(config, B, T, a, q=4, r=4, cuda=True, compiled=False):
 def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, ddp=False, compiled=False):
     """Bytes alive at each moment of a steady-state training step, by component, for one process,
     a DDP rank (ddp) or (world > 1) rank 0 of FSDP2: fully_shard per block then the root, bf16
-    gathering when dtype is set. compiled: blocks save what torch.compile keeps (saved_per_layer).
+    gathering when dtype is set. compiled: blocks save what torch.compile keeps (saved_per_layer);
+    the fused loss, gpt.py's own chunk loop, is counted as eager runs it.
     Returns moments, totals, phases ({forward|backward|optimizer: (bytes, moment)}), peak and
     peak_at, saved (bytes saved for backward beyond weights and batch), params."""
     cuda, fused, fsdp = device_type == "cuda", config.fused_ce, world > 1
@@ -113,6 +115,7 @@ def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, ddp=Fals
     if ddp:  # DDP copies every gradient into fp32 buckets for its all-reduces; they live all run
         base["DDP gradient buckets (fp32)"] = 4 * P
     lin = 4 * d * d + 2 * d * f  # a block's matrices: autocast makes bf16 copies of them
+    cache = a == 2 and not fsdp  # (under FSDP they arrive in bf16: no copies)
     copies = 0 if dtype is None else (16 * d if q != r else 0) if fsdp else 2 * lin
     per_layer = saved_per_layer(config, B, T, a, q, r, cuda, compiled)
     full = sum(per_layer.values()) + copies
@@ -139,7 +142,7 @@ def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, ddp=Fals
         # on CUDA the Triton kernel writes each chunk's gradient over its logits, in place; the
         # CPU path makes fp32 temporaries: the upcast (under bf16), z - lse and its exp, * scale.
         # The previous chunk's logits are still referenced while the next chunk's are made.
-        temps, cache = 0 if cuda else (8 + (4 if a != 4 else 0)) * n, a == 2 and not fsdp  # cache: autocast's copies
+        temps = 0 if cuda else (8 + (4 if a != 4 else 0)) * n
         chunk = max(a * V * c + max(a * V * p, temps * c, a * c * d) for p, c in zip([0] + rows, rows))
         fwd = {**base, **root, "saved activations": saved, "all-gather buffer (last block)": ag,
                "autocast's bf16 weight cache (checkpointed blocks)": len(seg_of) * 2 * lin * cache,
@@ -152,7 +155,7 @@ def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, ddp=Fals
                                      "loss gradients dx*g, dW*g": q * N * d + lm_w * V * d,
                                      "all-gather buffer (prefetch)": ag}
     else:  # logits, F.cross_entropy's fp32 log-probs (saved) and, in backward, their gradients
-        loss_saved = a * N * d + 4 * N * V + 4 + (2 * V * d if a == 2 and not fsdp else 0)
+        loss_saved = a * N * d + 4 * N * V + 4 + 2 * V * d * cache
         moments["forward end"] = {**base, **root, "saved activations": saved + loss_saved,
                                   "logits + fp32 upcast": a * N * V + (4 * N * V if a == 2 else 0)}
         moments["backward start"] = {**base, **root, "saved activations": saved + loss_saved,
@@ -283,7 +286,8 @@ def step(model, opt, x, y, dtype, mark=lambda phase: None, forward=None):
 
 
 def live_peaks(model, opt, x, y, dtype, forward=None):
-    """{phase: peak live bytes} of one step on the CPU (run one step before: AdamW's state)."""
+    """{phase: peak live bytes} of a step on the CPU, after one that makes AdamW's state."""
+    step(model, opt, x, y, dtype, forward=forward)
     peaks = {}
     with LiveBytes(state_tensors(model, opt) + [x, y]) as live:
         step(model, opt, x, y, dtype, lambda phase: peaks.__setitem__(phase, live.reset_peak()), forward)
@@ -334,9 +338,7 @@ def measure_step(config, B, T, dtype, device, compiled=False):
 # --- 3. account: the model against the allocator (GPU) or against live tensors (CPU)
 
 
-def fitting_batch(cfg, T, dtype, device):
-    # 5% kept back: near the limit the caching allocator fails on fragmentation first (setting
-    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the first allocation helps)
+def fitting_batch(cfg, T, dtype, device):  # 5% kept back: the caching allocator fragments near the limit
     return predict_max_batch(cfg, T, dtype, torch.cuda.mem_get_info(device)[0] * 0.95)
 
 
@@ -364,14 +366,6 @@ def print_breakdown(pred, peaks=None):
                 [[ph, at, mib(v), mib(peaks[ph]) if peaks else "n/a"] for ph, (v, at) in pred["phases"].items()])
 
 
-def measure_on_cpu(config, B, T, dtype):
-    """{phase: peak live bytes} in the second step of a fresh model (the first makes AdamW's state)."""
-    model = GPT(config)
-    opt, (x, y) = configure_optimizer(model, lr=1e-4), random_batch(config, B, T, "cpu")
-    step(model, opt, x, y, dtype)
-    return live_peaks(model, opt, x, y, dtype)
-
-
 def part_account(args, device):
     dtype, kw, cuda = amp_dtype(args.bf16), dict(ddp=args.ddp, compiled=args.compile), device.type == "cuda"
     if args.fsdp or args.ddp:  # a rank of torchrun train.py: predicted here, measured there
@@ -390,8 +384,13 @@ def part_account(args, device):
     for m, T, dt in runs:
         cfg, name = config_of(args, m), f"{m} T={T} {'bf16' if dt else 'fp32'}"
         pred = account(cfg, B, T, dt, device.type, **kw)
-        # without CUDA there is no allocator to ask, but live tensors can be counted op by op
-        peaks = measure_step(cfg, B, T, dt, device, args.compile) if cuda else measure_on_cpu(cfg, B, T, dt)
+        if cuda:
+            peaks = measure_step(cfg, B, T, dt, device, args.compile)
+        else:  # no allocator to ask, but live tensors can be counted op by op
+            model = GPT(cfg)
+            opt, (x, y) = configure_optimizer(model, lr=1e-4), random_batch(cfg, B, T, "cpu")
+            peaks = live_peaks(model, opt, x, y, dt)
+            saved = saved_bytes(lambda: model(x, y), dt, device, [*model.parameters(), x, y])
         if peaks is None and not args.sweep:
             fail_out_of_memory(cfg, B, T, dt, device)
         cells = ["OOM", "n/a", "n/a"]
@@ -407,6 +406,8 @@ def part_account(args, device):
             if cuda:
                 print(f"largest batch predicted to fit in 95% of this GPU's free memory: "
                       f"{fitting_batch(cfg, T, dt, device)}")
+            else:
+                print(f"saved for backward: predicted {pred['saved']:,} bytes, saved-tensor hooks saw {saved:,}")
     if args.sweep:
         print_table(["model / seq / dtype", "predicted GiB", "measured GiB", "error %", "measured peak phase",
                      "predicted peak moment"], rows)
@@ -422,16 +423,11 @@ def part_account(args, device):
 def grouped_forward(model, k):
     """gpt.py's training forward with every group of k consecutive blocks checkpointed (k=0: none):
     a group keeps only its input, and is recomputed, as a whole, when backward reaches it."""
-    def run(x, blocks):
-        for block in blocks:
-            x = block(x)
-        return x
-
     def forward(idx, targets):
         x = model.wte(idx) + model.wpe(torch.arange(idx.size(1), device=idx.device))
         for i in range(0, len(model.h), k or len(model.h)):
-            blocks = model.h[i:i + (k or len(model.h))]
-            x = checkpoint(run, x, blocks, use_reentrant=False) if k else run(x, blocks)
+            group = torch.nn.Sequential(*model.h[i:i + (k or len(model.h))])
+            x = checkpoint(group, x, use_reentrant=False) if k else group(x)
         return None, linear_cross_entropy(model.ln_f(x).flatten(0, 1), model.lm_head.weight, targets.flatten())
     return forward
 
@@ -461,7 +457,7 @@ def part_checkpoint(args, device):
     rows, measured = [], {}
     for k in ks:
         t = timings[f"k={k}"]
-        if t is not None:  # the allocator's peak in warm-up; on the CPU, live tensors in one more step
+        if t is not None:  # the allocator's peak in warm-up; on the CPU, live tensors in more steps
             forward = grouped_forward(model, k)
             measured[k] = t.peak - start if cuda else max(live_peaks(model, opt, x, y, dtype, forward).values())
         err = f"{100 * (predicted[k] / measured[k] - 1):+.1f}" if k in measured else "n/a"
@@ -569,8 +565,7 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="account: torch.compile's saved tensors (and measure so)")
     p.add_argument("--world", type=int, help="ranks for --fsdp, --ddp and parallel (default 2; worked example 16)")
     p.add_argument("--device")
-    p.add_argument("--sweep", action="store_true",
-                   help="account: gpt2..xl x 128..1024 x fp32/bf16 (CUDA); --model or --seq fixes one of them")
+    p.add_argument("--sweep", action="store_true", help="account: gpt2..xl x 128..1024 x fp32/bf16; --model/--seq fix one")
     p.add_argument("--rounds", type=int, help="checkpoint: interleaved timing rounds (default 10; 2 on a CPU)")
     p.add_argument("--out", default="memory_snapshot.pickle", help="snapshot: the .pickle to write")
     p.add_argument("--params", type=int, help="parallel: parameter count (default: the worked example)")
@@ -603,6 +598,7 @@ def main(argv=None):
                "--sweep is for account on a CUDA GPU (measured peaks), one process, eager"),
               (not (rank or args.compile) or args.part == "account", "--fsdp, --ddp and --compile apply to account"),
               (not (args.fsdp and args.ddp), "--fsdp and --ddp exclude each other"),
+              (not (args.compile and args.unfused), "--compile models the fused loss (compile rewrites the plain one)"),
               (cuda or rank or not args.compile, "--compile is measured on a CUDA GPU (predicted with --fsdp/--ddp)"),
               (args.part != "checkpoint" or not (args.recompute or args.unfused),
                "checkpoint compares its own group sizes with the fused loss; leave out --recompute and --unfused"),
