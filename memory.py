@@ -22,13 +22,14 @@ CPU, torch 2.13.0, 2026-11-23, `python memory.py account --bf16 --recompute 1 --
     saved for backward: predicted 27,309,056 bytes, saved-tensor hooks saw 27,309,056
 
 2xH200, torch 2.11.0+cu130, 2026-11-23: peak mem of `torchrun --nproc_per_node=2 train.py --vocab
-50304 --bf16 --compile --steps 30` against `python memory.py account` with the same flags:
+50304 --bf16 --compile` against `python memory.py account --seq 1024` with the same flags (--ddp
+for the DDP run):
 
     train.py run, per GPU        measured GiB  --compile predicted  eager predicted
     2.7B --fsdp, batch 16               57.05        57.59 (+0.9%)    62.59 (+9.7%)
     2.7B --fsdp --recompute 2           38.24        38.80 (+1.5%)    41.30 (+8.0%)
     xl --fsdp, batch 8                  29.18        28.82 (-1.2%)    31.17 (+6.8%)
-    xl (DDP: account --ddp), batch 8    48.56        47.46 (-2.3%)    48.63 (+0.1%)
+    xl DDP, batch 8                     48.56        47.46 (-2.3%)    48.63 (+0.1%)
 
 (single-GPU excerpt to be refreshed from the next GPU run)
 """
@@ -565,7 +566,7 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="account: torch.compile's saved tensors (and measure so)")
     p.add_argument("--world", type=int, help="ranks for --fsdp, --ddp and parallel (default 2; worked example 16)")
     p.add_argument("--device")
-    p.add_argument("--sweep", action="store_true", help="account: gpt2..xl x 128..1024 x fp32/bf16; --model/--seq fix one")
+    p.add_argument("--sweep", action="store_true", help="account: gpt2..xl x T=128..1024, fp32 and bf16 (CUDA)")
     p.add_argument("--rounds", type=int, help="checkpoint: interleaved timing rounds (default 10; 2 on a CPU)")
     p.add_argument("--out", default="memory_snapshot.pickle", help="snapshot: the .pickle to write")
     p.add_argument("--params", type=int, help="parallel: parameter count (default: the worked example)")
