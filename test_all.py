@@ -906,27 +906,11 @@ def test_bench_e2e_gpu_peaks_and_oom():
 
 # --- 6. memory.py: the model against live tensors (one process, DDP and FSDP ranks); parallel; bad input
 
-def _memory_check(memory, pred, model, forward, opt, x, y, dtype, what):
-    """A step's forward and backward peaks of live bytes, counted op by op, and each block's, cut at
-    LayerNorm backwards (ln_f's, then each block's ln_2 and ln_1; under FSDP a stretch starts with
-    the block above's last op, which holds its unreduced gradients), are the predicted ones."""
-    with memory.LiveBytes(memory.state_tensors(model, opt) + [x, y]) as live:
-        memory.step(model, opt, x, y, dtype, lambda phase: live.levels.append((phase, live.reset_peak())), forward)
-    log = live.levels
-    marks = {name: i for i, (name, _) in enumerate(log) if name in ("forward", "backward")}
-    cuts = [i for i in range(marks["forward"], marks["backward"]) if "layer_norm_backward" in str(log[i][0])]
-    spans = {ph: (pred["phases"][ph][0], log[marks[ph]][1]) for ph in marks}
-    for j, b in enumerate(range(len(model.h) - 1, -1, -1)):
-        names = [f"backward: block {b}", f"backward: block {b} attention", f"backward: block {b + 1} done"]
-        spans[b] = (max(pred["totals"].get(n, 0) for n in names),
-                    max(level for _, level in log[cuts[2 * j] + 1:cuts[2 * j + 2] + 1]))
-    bad = [f"{at}: predicted {p:,}, measured {m:,}" for at, (p, m) in spans.items() if abs(p / m - 1) > 1e-3]
-    assert not bad, (what, bad)
-
-
 def test_memory_account_exact_on_cpu():
-    """State bytes, bytes saved for backward (saved-tensor hooks) and the peaks above equal the
-    prediction: fused loss in one chunk and several, plain loss, fp32 and bf16, naive attention,
+    """State bytes, bytes saved for backward (saved-tensor hooks), a step's forward and backward
+    peaks of live bytes (counted op by op) and each block's, cut at LayerNorm backwards (under FSDP
+    a stretch starts with the block above's last op, which holds its unreduced gradients), equal
+    the prediction: fused loss in one chunk and several, plain loss, fp32 and bf16, naive attention,
     recompute K, groups of k blocks (same gradients), and rank 0 of 2 under DDP and FSDP2 through
     the fake process group. Not on a CPU: the CUDA allocator, NCCL, LayerNorm in fp32 under
     autocast, the Triton loss kernel (account encodes them; the GPU test checks the whole)."""
@@ -969,7 +953,18 @@ def test_memory_account_exact_on_cpu():
             nbytes = memory.LiveBytes(memory.state_tensors(model, opt)).now()  # DTensors: the local shards
             assert nbytes == state["weights (fp32)"] + state["AdamW moments + step"], (what, nbytes)
             # first: DDP rebuilds its buckets (in the order gradients arrived) in the second step's forward
-            _memory_check(memory, pred, model, forward, opt, x, y, dtype, what)
+            with memory.LiveBytes(memory.state_tensors(model, opt) + [x, y]) as live:
+                memory.step(model, opt, x, y, dtype, lambda ph: live.levels.append((ph, live.reset_peak())), forward)
+            log = live.levels
+            marks = {name: i for i, (name, _) in enumerate(log) if name in ("forward", "backward")}
+            cuts = [i for i in range(marks["forward"], marks["backward"]) if "norm_backward" in str(log[i][0])]
+            spans = {ph: (pred["phases"][ph][0], log[marks[ph]][1]) for ph in marks}
+            for j, b in enumerate(range(len(model.h) - 1, -1, -1)):
+                names = [f"backward: block {b}", f"backward: block {b} attention", f"backward: block {b + 1} done"]
+                spans[b] = (max(pred["totals"].get(n, 0) for n in names),
+                            max(level for _, level in log[cuts[2 * j] + 1:cuts[2 * j + 2] + 1]))
+            bad = [f"{at}: predicted {p:,}, measured {m:,}" for at, (p, m) in spans.items() if abs(p / m - 1) > 1e-3]
+            assert not bad, (what, bad)
             if how != "fsdp":
                 saved = memory.saved_bytes(lambda: forward(x, y), dtype, "cpu", [*model.parameters(), x, y])
                 assert saved == pred["saved"], (what, saved, pred["saved"])
