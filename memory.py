@@ -1,32 +1,41 @@
-"""Where a training step's memory goes, predicted before you run it: one GPU, or one FSDP rank.
+"""Where a training step's memory goes, predicted before you run it: one GPU, a DDP or an FSDP rank.
 
 A step holds the weights and AdamW's state (16 bytes per parameter), the activations saved for
-backward, and short-lived buffers whose timing decides the peak: the fused loss's chunk of logits
-at the end of the forward pass, the start of backward, or a block's backward with its recomputed
-activations and (under FSDP) its gathered weights. `account` lists what is alive at each of those
-moments from gpt.py's ops, and checks the list byte for byte against live tensors on a CPU and
-against max_memory_allocated on a GPU.
+backward, and short-lived buffers whose timing decides the peak: the fused loss's chunks of logits,
+the start of backward, or a block's backward with its recomputed activations and (under FSDP) its
+gathered weights. `account` lists what is alive at each of those moments from gpt.py's ops, and
+checks it byte for byte against live tensors on a CPU and against max_memory_allocated on a GPU.
+torch.compile keeps fewer bytes than eager: `--compile` predicts (and measures) that.
 
-    python memory.py account --model gpt2 --seq 512 --bf16     # predicted vs measured, by component
-    python memory.py account --sweep --batch 8 [--unfused]     # gpt2..xl x 128..1024 x fp32/bf16
-    python memory.py account --model 2.7B --batch 4 --seq 1024 --bf16 --fsdp --world 2 --recompute 1
+    python memory.py account --model gpt2 --seq 1024 --batch 16 --bf16 [--compile]   # predicted vs measured
+    python memory.py account --sweep --batch 8 [--model xl] [--unfused]   # gpt2..xl x 128..1024 x fp32/bf16
+    python memory.py account --model 2.7B --batch 16 --seq 1024 --bf16 --vocab 50304 --fsdp --compile
     python memory.py checkpoint --model 2.7B --batch 4 --seq 2048 --bf16   # best checkpoint group size
-    python memory.py parallel [--model xl --world 2]           # DP, ZeRO-1/2, FSDP bytes per rank
+    python memory.py parallel [--model xl --world 2]                       # DP, ZeRO-1/2, FSDP per rank
     python memory.py snapshot --model gpt2 --seq 512 --bf16 --out snap.pickle
 
-Excerpt (CPU, torch 2.13.0+cpu, 2026-11-23), `python memory.py account --bf16 --recompute 1 --batch 8`:
+CPU, torch 2.13.0, 2026-11-23, `python memory.py account --bf16 --recompute 1 --batch 8` (tiny, T=64):
 
-    component                        predicted bytes  measured bytes (CPU)
-    peak of forward (live tensors)       489,499,600           489,510,872
-    peak of backward (live tensors)      167,615,696           167,615,704
-    account: tiny B=8 T=64 on the CPU: predictions within 0.002% of the measured bytes; ...
+    phase      its predicted peak moment  predicted MiB  measured MiB
+    forward          forward: loss chunk         454.55        454.56
+    backward                backward end         159.85        159.85
+    saved for backward: predicted 27,309,056 bytes, saved-tensor hooks saw 27,309,056
 
-On a GPU: (excerpt to be refreshed from the next GPU run)
+2xH200, torch 2.11.0+cu130, 2026-11-23: peak mem of `torchrun --nproc_per_node=2 train.py --vocab
+50304 --bf16 --compile` against `python memory.py account --seq 1024` with the same flags (--ddp
+for the DDP run):
+
+    train.py run, per GPU        measured GiB  --compile predicted  eager predicted
+    2.7B --fsdp, batch 16               57.05        57.59 (+0.9%)    62.59 (+9.7%)
+    2.7B --fsdp --recompute 2           38.24        38.80 (+1.5%)    41.30 (+8.0%)
+    xl --fsdp, batch 8                  29.18        28.82 (-1.2%)    31.17 (+6.8%)
+    xl DDP, batch 8                     48.56        47.46 (-2.3%)    48.63 (+0.1%)
+
+(single-GPU excerpt to be refreshed from the next GPU run)
 """
 
 import argparse
 import math
-import os
 import weakref
 
 import torch
@@ -34,14 +43,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from gpt import (GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, amp_dtype, autocast, check_output_path, compare,
-                 configure_optimizer, fail, free_memory, gib, is_oom, linear_cross_entropy, make_config,
+from gpt import (CE_CHUNK_ROWS, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, amp_dtype, autocast, check_output_path, compare,
+                 compile_model, configure_optimizer, fail, free_memory, gib, is_oom, linear_cross_entropy, make_config,
                  print_table, resolve_device, synchronize)
 
 PARTS = ("account", "checkpoint", "parallel", "snapshot")
 SWEEP_MODELS = ("gpt2", "medium", "large", "xl")  # "small" has gpt2's shape
 SWEEP_SEQS = (128, 256, 512, 1024)
-CHUNK_ROWS = 4096  # rows per chunk of gpt.linear_cross_entropy
 GB = 1e9  # the worked example speaks decimal GB, like GPU data sheets
 
 # --- 1. the analytic model: what is alive at each moment of a training step
@@ -65,10 +73,15 @@ def param_count(config):
     return config.n_layer * numel(block_shapes(config)) + numel(root_shapes(config))
 
 
-def saved_per_layer(config, B, T, a, q=4, cuda=True):
-    """Bytes one block saves for backward, as {what: bytes}."""
+def saved_per_layer(config, B, T, a, q=4, r=4, cuda=True, compiled=False):
+    """Bytes one block saves for backward, as {what: bytes}. Eager LayerNorm saves its input, an
+    fp32 copy under autocast on CUDA; torch.compile's partitioner (see its forward graph) keeps
+    the block's input and attn.c_proj's output instead and recomputes the upcast and the residual
+    add in backward: 2 bytes less per N*d with an fp32 residual stream, 4 with FSDP's bf16 one."""
     N, d, f, H = B * T, config.n_embd, config.d_ff, config.n_head
-    rows = {"ln_1 + ln_2 inputs": 2 * q * N * d, "ln_1 + ln_2 mean, rstd": 2 * 2 * q * N,
+    rows = {"block input + c_proj output (compiled)": (r + a) * N * d} if compiled else \
+        {"ln_1 + ln_2 inputs": 2 * q * N * d}
+    rows |= {"ln_1 + ln_2 mean, rstd": 2 * 2 * q * N,
             "c_attn + c_fc inputs (LN outputs)": 2 * a * N * d, "q, k, v": 3 * a * N * d,
             "attention output (c_proj input)": a * N * d, "gelu input (c_fc output)": a * N * f,
             "mlp c_proj input (gelu output)": a * N * f}
@@ -79,11 +92,13 @@ def saved_per_layer(config, B, T, a, q=4, cuda=True):
     return rows
 
 
-def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, evaluation=False):
-    """Bytes alive at each moment of a steady-state training step, by component, for one process
-    or (world > 1) for rank 0 of FSDP2: fully_shard per block then the root, bf16 gathering when
-    dtype is set. Returns moments, totals, phases ({forward|backward|optimizer: (bytes, moment)}),
-    peak and peak_at, saved (bytes saved for backward beyond weights and batch), params."""
+def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, ddp=False, compiled=False):
+    """Bytes alive at each moment of a steady-state training step, by component, for one process,
+    a DDP rank (ddp) or (world > 1) rank 0 of FSDP2: fully_shard per block then the root, bf16
+    gathering when dtype is set. compiled: blocks save what torch.compile keeps (saved_per_layer);
+    the fused loss, gpt.py's own chunk loop, is counted as eager runs it.
+    Returns moments, totals, phases ({forward|backward|optimizer: (bytes, moment)}), peak and
+    peak_at, saved (bytes saved for backward beyond weights and batch), params."""
     cuda, fused, fsdp = device_type == "cuda", config.fused_ce, world > 1
     L, d, f, V, W = config.n_layer, config.n_embd, config.d_ff, config.vocab_size, max(world, 1)
     N, n = B * T, min(V, GPT2_VOCAB)
@@ -98,9 +113,13 @@ def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, evaluati
     P = L * sb + sr  # parameters this rank holds
     base = {"weights (fp32)": 4 * P, "AdamW moments + step": 8 * P + (12 * L + 4) * (512 if cuda else 4),
             "batch (idx, targets)": 16 * N}
+    if ddp:  # DDP copies every gradient into fp32 buckets for its all-reduces; they live all run
+        base["DDP gradient buckets (fp32)"] = 4 * P
     lin = 4 * d * d + 2 * d * f  # a block's matrices: autocast makes bf16 copies of them
+    cache = a == 2 and not fsdp  # (under FSDP they arrive in bf16: no copies)
     copies = 0 if dtype is None else (16 * d if q != r else 0) if fsdp else 2 * lin
-    full = sum(saved_per_layer(config, B, T, a, q, cuda).values()) + copies
+    per_layer = saved_per_layer(config, B, T, a, q, r, cuda, compiled)
+    full = sum(per_layer.values()) + copies
     # checkpointed blocks: gpt.py's recompute K checkpoints every K-th block on its own; `groups` k
     # every run of k consecutive blocks (recomputed together). seg_of: block -> first of its run
     K, run = groups or config.recompute, groups or 1
@@ -118,24 +137,26 @@ def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, evaluati
     root = {"gathered weights: wte, wpe, ln_f": r * nr} if fsdp else {}
     ag = r * W * sb if fsdp else 0  # one block's all-gather buffer
     moments = {}
-    if fused:  # gpt.linear_cross_entropy: dx, dW during the forward, chunk by chunk
+    if fused:  # gpt.linear_cross_entropy: dx and dW made during the forward, chunk by chunk
         loss_saved = q * N * d + lm_w * V * d
-        rows = [min(CHUNK_ROWS, N - s) for s in range(0, N, CHUNK_ROWS)]
-        # logits (a), their fp32 copy under bf16, z - lse, exp, * scale: and the previous chunk's
-        # gradient is still referenced while the next chunk's logits are made
-        soft = max(a * V * p + a * V * c + (8 + (4 if a != 4 else 0)) * n * c for p, c in zip([0] + rows, rows))
-        dw_update = a * rows[0] * V + (8 if a == 2 and not cuda else 4) * V * d  # addmm returns a new dW
-        moments["forward: loss chunk"] = {
-            **base, **root, "saved activations": saved, "all-gather buffer (last block)": ag,
-            "autocast's bf16 weight cache (checkpointed blocks)": len(seg_of) * 2 * lin if a == 2 and not fsdp else 0,
-            "ln_f output (+ bf16 copy)": q * N * d + (a * N * d if a != q else 0),
-            "loss: dx, dW (fp32), weight copy": q * N * d + 4 * V * d + (2 * V * d if a == 2 and not fsdp else 0),
-            "loss: one chunk's logits and softmax": max(soft, dw_update)}
+        rows = [min(CE_CHUNK_ROWS, N - s) for s in range(0, N, CE_CHUNK_ROWS)]
+        # on CUDA the Triton kernel writes each chunk's gradient over its logits, in place; the
+        # CPU path makes fp32 temporaries: the upcast (under bf16), z - lse and its exp, * scale.
+        # The previous chunk's logits are still referenced while the next chunk's are made.
+        temps = 0 if cuda else (8 + (4 if a != 4 else 0)) * n
+        chunk = max(a * V * c + max(a * V * p, temps * c, a * c * d) for p, c in zip([0] + rows, rows))
+        fwd = {**base, **root, "saved activations": saved, "all-gather buffer (last block)": ag,
+               "autocast's bf16 weight cache (checkpointed blocks)": len(seg_of) * 2 * lin * cache,
+               "ln_f output (+ bf16 copy)": q * N * d + (a * N * d if a != q else 0),
+               "loss: dx, dW (compute dtype), weight copy": q * N * d + a * V * d + 2 * V * d * cache}
+        moments["forward: loss chunk"] = {**fwd, "loss: chunk logits and temporaries": chunk}
+        moments["forward: loss end"] = {**fwd, "loss: last chunk's logits, per-row losses": a * V * rows[-1] + 8 * N,
+                                        "loss: dW cast to the weight's dtype": 4 * V * d if lm_w != a else 0}
         moments["backward start"] = {**base, **root, "saved activations": saved + loss_saved,
                                      "loss gradients dx*g, dW*g": q * N * d + lm_w * V * d,
                                      "all-gather buffer (prefetch)": ag}
     else:  # logits, F.cross_entropy's fp32 log-probs (saved) and, in backward, their gradients
-        loss_saved = a * N * d + 4 * N * V + 4 + (2 * V * d if a == 2 and not fsdp else 0)
+        loss_saved = a * N * d + 4 * N * V + 4 + 2 * V * d * cache
         moments["forward end"] = {**base, **root, "saved activations": saved + loss_saved,
                                   "logits + fp32 upcast": a * N * V + (4 * N * V if a == 2 else 0)}
         moments["backward start"] = {**base, **root, "saved activations": saved + loss_saved,
@@ -153,36 +174,39 @@ def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, evaluati
                 **m, "saved activations": sum(keep[:seg_of.get(b, b)]), "block backward: MLP gradients": 0,
                 "block gradients (gathered)": r * nb, "residual gradient": (2 * r + max(r, q)) * N * d}
         moments[f"backward: block {b}"] = m
+        # c_attn's backward: only ln_1's tensors still saved, the block's other gradients made. Under
+        # autocast its weight gradients come out of the matmul in bf16, cast to fp32 once dqkv is freed
+        cast, att = lm_w - a, 3 * d * d + 3 * d
+        moments[f"backward: block {b} attention"] = {
+            **m, "saved activations": acts(b) - full + (q + a) * N * d + 2 * q * N, "block backward: MLP gradients": 0,
+            "block gradients but ln_1's": lm_w * (nb - 2 * d), "c_attn backward: dqkv, dx (+ bf16 gradients)":
+                max(4 * a * N * d - cast * att, a * N * d + a * 3 * d * d - cast * 3 * d if cast else 0)}
     if fsdp:  # wte's gradient arrives twice (lm_head, embedding) and is summed into a third buffer
         moments["backward end"] = {**base, **root, "gradients": L * 4 * sb + r * (nr - V * d),
-                                   "wte gradient parts + sum": 3 * r * V * d, "reduce-scatter input (block 0)": 4 * W * sb}
+                                   "wte gradient parts + sum": 3 * r * V * d,
+                                   "reduce-scatter input (block 0)": 4 * W * sb}
         moments["backward end: root reduce-scatter"] = {**base, "gradients": 4 * P, "reduce-scatter input": 4 * W * sr}
     else:
         moments["backward end"] = {**base, "gradients": 4 * P, "wte gradient parts + sum": 8 * V * d}
-    moments["optimizer step"] = {**base, "gradients": 4 * P}
-    if evaluation:  # train.py's val loss: no_grad, so the plain [N, V] logits and their fp32 log-probs
-        moments["evaluation"] = {**base, **root, "all-gather buffer (last block)": ag, "eval batch": 16 * N,
-                                 "autocast's bf16 weight cache": L * 2 * lin if a == 2 and not fsdp else 0,
-                                 "ln_f output": q * N * d, "logits, fp32 copy, log-probs": (a + 4 + (4 if a != 4 else 0)) * N * V}
+    # fused AdamW (CUDA) updates in place; the CPU's loop over tensors makes two temporaries, each
+    # the size of the largest parameter (wte)
+    moments["optimizer step"] = {**base, "gradients": 4 * P, "AdamW temporaries (CPU)": (not cuda) * 8 * -(-V // W) * d}
     totals = {k: sum(v.values()) for k, v in moments.items()}
     phases = {}
     for k, total in totals.items():  # the largest moment of each phase: forward, backward, ...
         phases[k.split()[0].rstrip(":")] = max(phases.get(k.split()[0].rstrip(":"), (0, "")), (total, k))
     peak_at = max(totals, key=totals.get)
     return {"moments": moments, "totals": totals, "phases": phases, "peak": totals[peak_at], "peak_at": peak_at,
-            "saved": saved + loss_saved, "params": P, "layer": full}
+            "saved": saved + loss_saved, "params": P, "layer": full, "per_layer": per_layer}
 
 
-def predict_max_batch(config, T, dtype, budget, world=0, limit=1 << 16):
-    """Largest batch whose predicted peak fits in `budget` bytes (0 if not even batch 1 fits):
-    the peak grows with the batch, so doubling then bisection finds it."""
-    fits = lambda B: account(config, B, T, dtype, "cuda", world)["peak"] <= budget
-    lo, hi = 0, 1
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
+def predict_max_batch(config, T, dtype, budget, limit=1 << 16):
+    """Largest batch whose predicted peak fits in `budget` bytes (0: not even batch 1): the peak
+    grows with the batch, so bisection finds it."""
+    lo, hi = 0, limit + 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo, hi = (mid, hi) if account(config, mid, T, dtype)["peak"] <= budget else (lo, mid)
     return lo
 
 
@@ -192,11 +216,11 @@ def predict_max_batch(config, T, dtype, budget, world=0, limit=1 << 16):
 class LiveBytes(TorchDispatchMode):
     """Bytes of live tensor storages, recounted after every op: what memory_allocated would say,
     on any device. Storages resized in place (FSDP frees gathered weights that way) count at their
-    current size; a DTensor counts its local shard."""
+    current size; a DTensor counts its local shard. `levels` lists (op, bytes after it)."""
 
     def __init__(self, tensors=()):
         super().__init__()
-        self.storages = {}
+        self.storages, self.levels = {}, []
         for t in tensors:
             self.track(t)
         self.peak = self.now()
@@ -216,7 +240,8 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             self.track(t)
-        self.peak = max(self.peak, self.now())
+        self.levels.append((func, self.now()))
+        self.peak = max(self.peak, self.levels[-1][1])
         return out
 
     def reset_peak(self):
@@ -262,7 +287,8 @@ def step(model, opt, x, y, dtype, mark=lambda phase: None, forward=None):
 
 
 def live_peaks(model, opt, x, y, dtype, forward=None):
-    """{phase: peak live bytes} of one step on the CPU (run one step before: AdamW's state)."""
+    """{phase: peak live bytes} of a step on the CPU, after one that makes AdamW's state."""
+    step(model, opt, x, y, dtype, forward=forward)
     peaks = {}
     with LiveBytes(state_tensors(model, opt) + [x, y]) as live:
         step(model, opt, x, y, dtype, lambda phase: peaks.__setitem__(phase, live.reset_peak()), forward)
@@ -278,32 +304,34 @@ def warm_up_libraries(device, dtype):
     synchronize(device)
 
 
-def measure_step(config, B, T, dtype, device, steps=2):
-    """{phase: peak allocated bytes} over the first steps of a fresh model (the first allocates
-    AdamW's state), counted above what was allocated before the model existed."""
+def measure_step(config, B, T, dtype, device, compiled=False):
+    """{phase: peak allocated bytes} in the third step of a fresh model (the first allocates
+    AdamW's state, and compiles), counted above what was allocated before the model existed."""
     warm_up_libraries(device, dtype)
     free_memory()
     start = torch.cuda.memory_allocated(device)
-    model = opt = batch = None
+    model = opt = batch = forward = None
     peaks = {}
 
     def mark(phase):
         synchronize(device)
-        peaks[phase] = max(peaks.get(phase, 0), torch.cuda.max_memory_allocated(device) - start)
+        peaks[phase] = torch.cuda.max_memory_allocated(device) - start
         torch.cuda.reset_peak_memory_stats(device)
 
     try:
         with torch.device(device):  # initialise on the GPU: seconds faster for xl than CPU + .to()
             model = GPT(config)
         opt, batch = configure_optimizer(model, lr=1e-4), random_batch(config, B, T, device)
+        forward = compile_model(model) if compiled else model
+        for _ in range(2):
+            step(model, opt, *batch, dtype, forward=forward)
         torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(steps):
-            step(model, opt, *batch, dtype, mark)
+        step(model, opt, *batch, dtype, mark, forward)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_oom(e):
             raise
         peaks = None
-    del model, opt, batch
+    del model, opt, batch, forward
     free_memory()  # outside the except block, whose traceback holds the tensors
     return peaks
 
@@ -311,9 +339,7 @@ def measure_step(config, B, T, dtype, device, steps=2):
 # --- 3. account: the model against the allocator (GPU) or against live tensors (CPU)
 
 
-def fitting_batch(cfg, T, dtype, device):
-    # 5% kept back: near the limit the caching allocator fails on fragmentation first (setting
-    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the first allocation helps)
+def fitting_batch(cfg, T, dtype, device):  # 5% kept back: the caching allocator fragments near the limit
     return predict_max_batch(cfg, T, dtype, torch.cuda.mem_get_info(device)[0] * 0.95)
 
 
@@ -327,67 +353,45 @@ def config_of(args, model=None, **overrides):
                        recompute=args.recompute, **overrides)
 
 
-def print_breakdown(pred, cfg, B, T, dtype, peaks=None):
-    a = 2 if dtype is not None else 4
-    print(f"{cfg.n_layer} layers, d={cfg.n_embd}, d_ff={cfg.d_ff}, H={cfg.n_head}, V={cfg.vocab_size}, B={B}, T={T}, "
-          f"{'bf16 autocast' if dtype else 'fp32'}; saved per layer = {8 + 6 * a}*N*d + {2 * a}*N*d_ff + 16*N + 4*B*H*T "
-          f"bytes (N = B*T, SDPA)")
-    rows = [[k, f"{v / 2**20:.2f}"] for k, v in saved_per_layer(cfg, B, T, a).items()]
-    print_table(["saved by one block", "MiB"], rows + [["per layer, as counted (with weight copies)", f"{pred['layer'] / 2**20:.2f}"]])
+def print_breakdown(pred, peaks=None):
+    """What a block saves, what is alive at the predicted peak, and each phase's peak (predicted, measured)."""
+    mib = lambda v: f"{v / 2**20:,.2f}"
+    rows = [[k, mib(v)] for k, v in pred["per_layer"].items()]
+    print_table(["saved by one block", "MiB"], rows + [["per block, with autocast's copies", mib(pred["layer"])]])
     print()
-    parts = pred["moments"][pred["peak_at"]]
-    print_table([f"alive at the predicted peak ({pred['peak_at']})", "GiB"],
-                [[k, gib(v)] for k, v in parts.items() if v] + [["predicted peak", gib(pred["peak"])]])
+    rows = [[k, mib(v)] for k, v in pred["moments"][pred["peak_at"]].items() if v]
+    print_table([f"alive at the predicted peak ({pred['peak_at']})", "MiB"],
+                rows + [["predicted peak", mib(pred["peak"])]])
     print()
-    rows = [[ph, moment, gib(total), gib(peaks[ph]) if peaks and ph in peaks else "n/a"]
-            for ph, (total, moment) in pred["phases"].items()]
-    print_table(["phase", "its predicted peak moment", "predicted GiB", "measured GiB"], rows)
-
-
-def account_on_cpu(args, dtype):
-    """Without CUDA there is no allocator to ask, but live tensors can be counted op by op, and the
-    whole model checked exactly: state bytes, saved-tensor hooks, forward and backward peaks."""
-    cfg, B, T = config_of(args), args.batch, args.seq
-    pred = account(cfg, B, T, dtype, "cpu")
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    opt = configure_optimizer(model, lr=1e-4)
-    x, y = random_batch(cfg, B, T, "cpu")
-    step(model, opt, x, y, dtype)  # AdamW's state now exists
-    saved = saved_bytes(lambda: model(x, y), dtype, "cpu", [*model.parameters(), x, y])
-    peaks = live_peaks(model, opt, x, y, dtype)
-    nbytes = lambda ts: sum(t.untyped_storage().nbytes() for t in ts)
-    state = pred["moments"]["optimizer step"]
-    rows = [("parameters", state["weights (fp32)"], nbytes(model.parameters())),
-            ("AdamW state", state["AdamW moments + step"], nbytes(state_tensors(model, opt)) - nbytes(model.parameters())),
-            ("saved for backward (hooks)", pred["saved"], saved),
-            ("peak of forward (live tensors)", pred["phases"]["forward"][0], peaks["forward"]),
-            ("peak of backward (live tensors)", pred["phases"]["backward"][0], peaks["backward"])]
-    print_table(["component", "predicted bytes", "measured bytes (CPU)"], [[k, f"{p:,}", f"{m:,}"] for k, p, m in rows])
-    worst = max(abs(p / m - 1) for _, p, m in rows)
-    print(f"account: {args.model} B={B} T={T} on the CPU: predictions within {100 * worst:.3f}% of the measured bytes; "
-          f"predicted GPU peak {gib(account(cfg, B, T, dtype)['peak'])} GiB ({pred['peak_at']})")
+    print_table(["phase", "its predicted peak moment", "predicted MiB", "measured MiB"],
+                [[ph, at, mib(v), mib(peaks[ph]) if peaks else "n/a"] for ph, (v, at) in pred["phases"].items()])
 
 
 def part_account(args, device):
-    dtype = amp_dtype(args.bf16)
-    if args.fsdp:  # train.py --fsdp: one rank's prediction, its final evaluation included
-        cfg, W = config_of(args), args.world
-        pred = account(cfg, args.batch, args.seq, dtype, "cuda", world=W, evaluation=True)
-        print_breakdown(pred, cfg, args.batch, args.seq, dtype)
-        print(f"account: predicted per-rank peak {gib(pred['peak'])} GiB at {pred['peak_at']} for FSDP2 over {W} GPUs "
-              f"({pred['params']:,} parameters per rank of {param_count(cfg):,}); measure it with torchrun "
-              f"--nproc_per_node={W} train.py --fsdp and the same flags (its summary's peak mem)")
+    dtype, kw, cuda = amp_dtype(args.bf16), dict(ddp=args.ddp, compiled=args.compile), device.type == "cuda"
+    if args.fsdp or args.ddp:  # a rank of torchrun train.py: predicted here, measured there
+        cfg = config_of(args)
+        pred = account(cfg, args.batch, args.seq, dtype, "cuda", world=args.world if args.fsdp else 0, **kw)
+        print_breakdown(pred)
+        scheme = f"FSDP2 over {args.world} GPUs ({pred['params']:,} of {param_count(cfg):,} parameters per rank)" \
+            if args.fsdp else "a DDP rank"
+        print(f"account: predicted peak {gib(pred['peak'])} GiB at {pred['peak_at']} for {scheme}, "
+              f"{'compiled' if args.compile else 'eager'}; measure it with torchrun --nproc_per_node={args.world} "
+              f"train.py{' --fsdp' * args.fsdp} and the same flags (its summary's peak mem)")
         return
-    if device.type != "cuda":
-        return account_on_cpu(args, dtype)
     B, rows, errors = args.batch, [], []
-    runs = [(m, T, dt) for m in SWEEP_MODELS for T in SWEEP_SEQS for dt in (None, torch.bfloat16)] \
+    runs = [(m, T, dt) for m in args.models for T in args.seqs for dt in (None, torch.bfloat16)] \
         if args.sweep else [(args.model, args.seq, dtype)]
     for m, T, dt in runs:
         cfg, name = config_of(args, m), f"{m} T={T} {'bf16' if dt else 'fp32'}"
-        pred = account(cfg, B, T, dt)
-        peaks = measure_step(cfg, B, T, dt, device)
+        pred = account(cfg, B, T, dt, device.type, **kw)
+        if cuda:
+            peaks = measure_step(cfg, B, T, dt, device, args.compile)
+        else:  # no allocator to ask, but live tensors can be counted op by op
+            model = GPT(cfg)
+            opt, (x, y) = configure_optimizer(model, lr=1e-4), random_batch(cfg, B, T, "cpu")
+            peaks = live_peaks(model, opt, x, y, dt)
+            saved = saved_bytes(lambda: model(x, y), dt, device, [*model.parameters(), x, y])
         if peaks is None and not args.sweep:
             fail_out_of_memory(cfg, B, T, dt, device)
         cells = ["OOM", "n/a", "n/a"]
@@ -399,14 +403,19 @@ def part_account(args, device):
         if args.sweep:
             print("  " + "  ".join(rows[-1]), flush=True)
         else:
-            print_breakdown(pred, cfg, B, T, dt, peaks)
-            print(f"largest batch predicted to fit in 95% of this GPU's free memory: {fitting_batch(cfg, T, dt, device)}")
+            print_breakdown(pred, peaks)
+            if cuda:
+                print(f"largest batch predicted to fit in 95% of this GPU's free memory: "
+                      f"{fitting_batch(cfg, T, dt, device)}")
+            else:
+                print(f"saved for backward: predicted {pred['saved']:,} bytes, saved-tensor hooks saw {saved:,}")
     if args.sweep:
         print_table(["model / seq / dtype", "predicted GiB", "measured GiB", "error %", "measured peak phase",
                      "predicted peak moment"], rows)
-    worst = f"{max(map(abs, errors)):.1f}%" if errors else "n/a"
+    worst = f"{max(map(abs, errors)):.{1 if cuda else 4}f}%" if errors else "n/a"
     print(f"account: batch {B}, {'unfused' if args.unfused else 'fused'} loss, attention {args.attn}, recompute "
-          f"{args.recompute or 'off'}; worst |error| {worst} over {len(errors)} configurations that fit (target 10%)")
+          f"{args.recompute or 'off'}, {'compiled' if args.compile else 'eager'}; worst |error| {worst} over "
+          f"{len(errors)} configurations that fit (target 10%)")
 
 
 # --- 4. checkpoint: which group size of recomputed blocks needs the least memory
@@ -415,16 +424,11 @@ def part_account(args, device):
 def grouped_forward(model, k):
     """gpt.py's training forward with every group of k consecutive blocks checkpointed (k=0: none):
     a group keeps only its input, and is recomputed, as a whole, when backward reaches it."""
-    def run(x, blocks):
-        for block in blocks:
-            x = block(x)
-        return x
-
     def forward(idx, targets):
         x = model.wte(idx) + model.wpe(torch.arange(idx.size(1), device=idx.device))
         for i in range(0, len(model.h), k or len(model.h)):
-            blocks = model.h[i:i + (k or len(model.h))]
-            x = checkpoint(run, x, blocks, use_reentrant=False) if k else run(x, blocks)
+            group = torch.nn.Sequential(*model.h[i:i + (k or len(model.h))])
+            x = checkpoint(group, x, use_reentrant=False) if k else group(x)
         return None, linear_cross_entropy(model.ln_f(x).flatten(0, 1), model.lm_head.weight, targets.flatten())
     return forward
 
@@ -454,16 +458,17 @@ def part_checkpoint(args, device):
     rows, measured = [], {}
     for k in ks:
         t = timings[f"k={k}"]
-        if t is not None:  # the allocator's peak in warm-up; on the CPU, live tensors in one more step
-            measured[k] = t.peak - start if cuda else max(live_peaks(model, opt, x, y, dtype, grouped_forward(model, k)).values())
+        if t is not None:  # the allocator's peak in warm-up; on the CPU, live tensors in more steps
+            forward = grouped_forward(model, k)
+            measured[k] = t.peak - start if cuda else max(live_peaks(model, opt, x, y, dtype, forward).values())
         err = f"{100 * (predicted[k] / measured[k] - 1):+.1f}" if k in measured else "n/a"
         rows.append([f"k={k}" if k else "none", gib(predicted[k]), gib(measured[k]) if k in measured else "OOM", err,
                      t.ms() if t else "OOM", t.vs() if t else "n/a"])
     print_table(["checkpoint groups", "predicted GiB", f"measured GiB ({'allocated' if cuda else 'live tensors'})",
                  "error %", f"ms/step, median (min-max) of {args.rounds} rounds", "vs none (paired)"], rows)
-    top = min(measured, key=measured.get) if measured else None
-    print(f"checkpoint: predicted best k={best}, measured best k={top} "
-          f"({gib(measured[top]) if top is not None else 'n/a'} GiB; none: {gib(measured[0]) if 0 in measured else 'OOM'})")
+    top = min(measured, key=measured.get, default=None)
+    print(f"checkpoint: predicted best k={best}, measured best k={top} ({gib(measured[top]) if measured else 'n/a'} "
+          f"GiB; none: {gib(measured[0]) if 0 in measured else 'OOM'})")
 
 
 # --- 5. parallel: bytes per rank under data parallelism, ZeRO-1, ZeRO-2 and FSDP (ZeRO-3)
@@ -515,30 +520,7 @@ def part_parallel(args, device):
 # --- 6. snapshot: the allocator's own record of a step, for pytorch.org/memory_viz
 
 
-def largest_at_peak(snapshot, device_index, top=8):
-    """Replay the allocation trace: the peak of live bytes, and the largest blocks alive then with
-    the line of gpt.py or memory.py (else the innermost Python frame) that allocated each."""
-    live, total, peak, at_peak = {}, 0, 0, {}
-    for ev in snapshot["device_traces"][device_index]:
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = ev
-            total += ev["size"]
-            if total > peak:
-                peak, at_peak = total, dict(live)
-        elif ev["action"] in ("free_requested", "free_completed") and ev["addr"] in live:
-            total -= live.pop(ev["addr"])["size"]
-    rows = []
-    for ev in sorted(at_peak.values(), key=lambda e: -e["size"])[:top]:
-        frames = ev.get("frames") or [{"filename": "?", "line": 0, "name": "?"}]
-        f = next((f for f in frames if os.path.basename(f["filename"]) in ("gpt.py", "memory.py")), frames[0])
-        rows.append([f"{ev['size'] / 2**20:.1f}", f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}"])
-    return peak, rows
-
-
 def part_snapshot(args, device):
-    if device.type != "cuda":
-        print("snapshot: needs CUDA (torch.cuda.memory._record_memory_history)")
-        return
     cfg, dtype = config_of(args), amp_dtype(args.bf16)
     try:
         with torch.device(device):
@@ -556,11 +538,10 @@ def part_snapshot(args, device):
         free_memory()
         fail_out_of_memory(cfg, args.batch, args.seq, dtype, device)
     torch.cuda.memory._dump_snapshot(args.out)
-    peak, largest = largest_at_peak(torch.cuda.memory._snapshot(), device.index)
     torch.cuda.memory._record_memory_history(enabled=None)
-    print_table(["MiB", "allocated at"], largest)
-    print(f"snapshot: 2 steps recorded in {args.out} (drag it onto https://pytorch.org/memory_viz); "
-          f"the largest blocks alive at the recorded peak, {gib(peak)} GiB above the state before recording")
+    print(f"snapshot: 2 steps recorded in {args.out}, peak {gib(torch.cuda.max_memory_allocated(device))} GiB "
+          f"allocated; drag the file onto https://pytorch.org/memory_viz to see every allocation, its size and the "
+          f"Python line that made it")
 
 
 # --- 7. command line
@@ -580,10 +561,12 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=GPT2_VOCAB)
     p.add_argument("--unfused", action="store_true", help="plain lm_head + F.cross_entropy instead of the fused loss")
     p.add_argument("--recompute", type=int, default=0, metavar="K", help="checkpoint every K-th block (gpt.py)")
-    p.add_argument("--fsdp", action="store_true", help="account: predict a rank of train.py --fsdp")
-    p.add_argument("--world", type=int, help="ranks for --fsdp and parallel (default 2; worked example 16)")
+    p.add_argument("--fsdp", action="store_true", help="account: predict a rank of torchrun train.py --fsdp")
+    p.add_argument("--ddp", action="store_true", help="account: predict a rank of torchrun train.py (DDP)")
+    p.add_argument("--compile", action="store_true", help="account: torch.compile's saved tensors (and measure so)")
+    p.add_argument("--world", type=int, help="ranks for --fsdp, --ddp and parallel (default 2; worked example 16)")
     p.add_argument("--device")
-    p.add_argument("--sweep", action="store_true", help="account: gpt2..xl x 128..1024 x fp32/bf16 (CUDA)")
+    p.add_argument("--sweep", action="store_true", help="account: gpt2..xl x T=128..1024, fp32 and bf16 (CUDA)")
     p.add_argument("--rounds", type=int, help="checkpoint: interleaved timing rounds (default 10; 2 on a CPU)")
     p.add_argument("--out", default="memory_snapshot.pickle", help="snapshot: the .pickle to write")
     p.add_argument("--params", type=int, help="parallel: parameter count (default: the worked example)")
@@ -595,6 +578,7 @@ def main(argv=None):
     try:
         device = resolve_device(args.device)
         cuda = device.type == "cuda"
+        args.models, args.seqs = [args.model] if args.model else SWEEP_MODELS, [args.seq] if args.seq else SWEEP_SEQS
         model, batch, seq = DEFAULTS.get(args.part, (("gpt2", 8, 512), ("tiny", 2, 64)))[not cuda]
         for name, value in (("model", model), ("batch", batch), ("seq", seq), ("rounds", 10 if cuda else 2),
                             ("world", 16 if args.part == "parallel" and not args.model else 2)):
@@ -604,15 +588,19 @@ def main(argv=None):
     except ValueError as e:
         fail(str(e))
     limit = 1 << 16 if args.part == "checkpoint" else cfg.block_size  # checkpoint grows the block size
+    rank = args.fsdp or args.ddp  # a rank of torchrun train.py: predicted, not measured
     checks = [(1 <= args.seq <= limit, f"--seq {args.seq} must be between 1 and the block size {limit}"),
               (min(args.batch, args.rounds, 1 if args.params is None else args.params) >= 1,
                "--batch, --rounds and --params must be positive"),
-              (args.world >= (2 if args.fsdp else 1), f"--world {args.world} must be at least {2 if args.fsdp else 1}"),
+              (args.world >= 1 + rank, f"--world {args.world} must be at least {1 + rank}"),
               (args.device_gb > 0 and args.act_gb >= 0, "--device-gb must be positive and --act-gb not negative"),
               (cuda or args.attn not in GPU_ONLY_ATTENTION, f"--attn {args.attn} needs a CUDA GPU"),
-              (not args.sweep or (args.part == "account" and cuda and not args.fsdp),
-               "--sweep is for account on a CUDA GPU (measured peaks), without --fsdp"),
-              (not args.fsdp or args.part == "account", "--fsdp applies to account"),
+              (not args.sweep or (args.part == "account" and cuda and not (rank or args.compile)),
+               "--sweep is for account on a CUDA GPU (measured peaks), one process, eager"),
+              (not (rank or args.compile) or args.part == "account", "--fsdp, --ddp and --compile apply to account"),
+              (not (args.fsdp and args.ddp), "--fsdp and --ddp exclude each other"),
+              (not (args.compile and args.unfused), "--compile models the fused loss (compile rewrites the plain one)"),
+              (cuda or rank or not args.compile, "--compile is measured on a CUDA GPU (predicted with --fsdp/--ddp)"),
               (args.part != "checkpoint" or not (args.recompute or args.unfused),
                "checkpoint compares its own group sizes with the fused loss; leave out --recompute and --unfused"),
               (args.part != "snapshot" or args.out.endswith(".pickle"), f"--out {args.out} must name a .pickle file")]
@@ -624,7 +612,9 @@ def main(argv=None):
             check_output_path(args.out, "--out", ours=lambda path: open(path, "rb").read(1) == b"\x80")
         except ValueError as e:
             fail(str(e))
-    if not cuda and args.part in ("account", "checkpoint") and not args.fsdp:
+        if not cuda:
+            fail("snapshot records the CUDA allocator: it needs a CUDA GPU")
+    if not cuda and args.part in ("account", "checkpoint") and not rank:
         print(f"no CUDA: {args.part} counts live tensors on the CPU at seconds-long sizes "
               f"(model {args.model}, batch {args.batch}, seq {args.seq})")
     globals()["part_" + args.part.replace("-", "_")](args, device)
