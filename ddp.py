@@ -59,7 +59,7 @@ from gpt import (GPT, Timing, autocast, clock, configure_optimizer, elapsed_ms, 
 
 # newer torch names the flat collectives *_single. gloo does a reduce-scatter as an all-reduce that
 # keeps its slice (twice the traffic, fine for a CPU smoke run); NCCL does the real thing. Both
-# average inside the collective (AVG; gloo since torch 2.8).
+# average inside the collective (ReduceOp.AVG; gloo has it in recent torch).
 all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_into = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 AVG = dist.ReduceOp.AVG
@@ -880,8 +880,8 @@ def main(argv=None):
         return run_allreduce(args, gpu)
     world = args.world or 2
     if args.command == "selftest":
-        if world > 8:
-            fail(f"--world {world}: the selftest's batch of 8 sequences splits over at most 8 ranks")
+        if 8 % world:  # equal slices: the mean of their mean losses is the whole batch's
+            fail(f"--world {world}: the selftest's batch of 8 sequences splits evenly over 1, 2, 4 or 8 ranks")
         check_launch(world, args.backend, 0, "the selftest")
         print(f"selftest: every wrapper on {world} ranks ({args.backend}) vs one process on the whole batch, {args.steps} steps")
         rows = launch(selftest_worker, world, args.backend, args)
