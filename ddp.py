@@ -2,36 +2,41 @@
 then sharding the optimizer state (ZeRO-1, ZeRO-2) and the weights themselves (FSDP).
 
 Every rank holds the whole model, runs its own slice of the batch and averages the gradients with an
-all-reduce. One tensor at a time after backward (NaiveDDP) pays a latency per tensor; one flat
-buffer (FlatDDP) one latency with nothing overlapped; an all-reduce started from each gradient's
-hook (OverlapDDP) hides behind backward but launches hundreds of small collectives; ~25 MB buckets
-(BucketDDP) get both. An all-reduce is a reduce-scatter then an all-gather: ZeRO-2 stops after the
-reduce-scatter, each rank steps only its slice (ShardedOptimizer) and all-gathers the new weights:
-the bytes of one all-reduce, 1/world of the optimizer state. FSDP shards the weights too: each
-layer is all-gathered just before it runs and freed after, its gradients reduce-scattered at once.
+all-reduce: one tensor at a time after backward (NaiveDDP), one flat buffer (FlatDDP), one per
+gradient from its hook, overlapping backward (OverlapDDP), or ~25 MB buckets (BucketDDP). An
+all-reduce is a reduce-scatter then an all-gather: ZeRO-2 steps each rank's slice in between
+(ShardedOptimizer), so 1/world of the optimizer state for the bytes of one all-reduce. FSDP shards
+the weights too: each layer is all-gathered just before it runs, its gradients reduce-scattered.
 
     python ddp.py allreduce                      # NCCL bandwidth table, world 2/4/6/8 as GPUs allow
     python ddp.py benchmark --world 2            # GPT xl, B=4 per rank, T=512, bf16: every variant
-    python ddp.py benchmark --variants local,torch,bucket --plot ddp.png
-    torchrun --nproc_per_node=2 ddp.py benchmark # the same under torchrun (also multi-node)
+    python ddp.py benchmark --variants local,torch,bucket,fsdp:bf16 --plot ddp.png
     python ddp.py selftest --world 2             # every class against one process on the whole batch
 
 Without a GPU everything runs on gloo at tiny sizes: a smoke run, not a measurement. The benchmark
 times with gpt.time_rounds: every rank runs the same interleaved schedule with a barrier closing each
-round, a variant's time in a round is its slowest rank's (a step ends when the last rank's does),
-and ratios to torch DDP are paired within rounds. A round's variants are all alive at once, so on a
-GPU they run in groups that fit in memory, each with its own torch DDP and no-comm rows to pair
-with. The forward / backward / comm wait / optimizer split comes from a separate instrumented pass.
+round, a variant's time in a round is its slowest rank's, and ratios to torch DDP are paired within
+rounds. On a GPU the variants run in groups that fit in memory together, each group with its own
+torch DDP and no-comm rows. The fwd / bwd / wait / optim split comes from a separate instrumented pass.
 
-(excerpt to be refreshed from the next GPU run)
+2x NVIDIA H200, torch 2.11.0+cu130, 2026-11-23: GPT xl, B=4 per rank, T=512, 30 rounds of 2 steps,
+--variants local,torch,bucket,sharded,zero2,fsdp,fsdp:bf16,fsdp2 (two memory groups):
+variant            step ms              vs torch DDP (paired)  exposed comm ms  fwd ms  bwd ms  wait ms  optim ms  peak GiB (vs torch DDP)
+-----------------  -------------------  ---------------------  ---------------  ------  ------  -------  --------  -----------------------
+local (no comm)      89.5 (71.8-167.9)   0.751x (0.597-1.005)                -    32.8    55.3      0.0      14.3            26.85 (0.70x)
+torch DDP           116.7 (93.5-169.3)   1.000x (1.000-1.000)             28.2    31.9    98.1      0.0      13.4            38.42 (1.00x)
+BucketDDP          129.8 (103.0-202.9)   1.111x (0.790-1.657)             36.3    33.0   136.6     10.8      15.1            32.59 (0.85x)
+ZeRO-1             165.9 (129.8-337.9)   1.426x (0.954-2.810)             76.7    33.2   109.8     22.3      39.4            26.66 (0.69x)
+ZeRO-2             167.6 (134.0-220.9)   1.420x (0.986-2.156)             77.1    32.5   106.7      4.6      26.2            23.63 (0.62x)
+FSDP               172.4 (138.9-204.9)   1.457x (0.866-1.853)             83.4    69.2    94.8      8.2       7.1            18.26 (0.48x)
+FSDP bf16 compute  187.2 (155.9-223.7)   1.572x (1.116-1.947)             99.8    63.3   113.0      7.5       7.1            14.81 (0.39x)
+torch FSDP2        266.4 (240.4-368.8)   2.245x (1.642-3.019)            182.2   117.5   168.3      0.0      14.6            14.88 (0.39x)
 """
 
 import argparse
-import json
 import logging
 import os
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -44,23 +49,28 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from gpt import (GPT, Timing, autocast, check_output_path, clock, configure_optimizer, elapsed_ms, fail, free_memory,
+from gpt import (GPT, Timing, autocast, clock, configure_optimizer, elapsed_ms, fail, free_memory,
                  gib, is_oom, make_config, plot_to, print_table, round_up, set_tf32, summarize, synchronize,
                  time_rounds)
 
 # newer torch names the flat collectives *_single. gloo does a reduce-scatter as an all-reduce that
-# keeps its slice (twice the traffic, fine for a CPU smoke run); NCCL does the real thing.
+# keeps its slice (twice the traffic, fine for a CPU smoke run); NCCL does the real thing. Both
+# average inside the collective (ReduceOp.AVG; gloo has it in recent torch).
 all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_into = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+AVG = dist.ReduceOp.AVG
 
 # --- 1. averaging gradients: four wrappers with one interface, ZeRO-2, and a sharded optimizer
 
 
 def on_gradient(p, method):
-    """Call method(p) once p.grad is complete in each backward (after every use of p, both uses of a
-    tied weight, has been summed in). The hook holds the wrapper only weakly: a strong reference is a
-    cycle the garbage collector cannot see through, and models would pile up on the GPU."""
+    """Call method(p) once p.grad is complete in each backward (every use of p, both of a tied weight,
+    summed in). The hook holds the wrapper only weakly: a strong reference is a cycle the garbage
+    collector cannot see through, and models would pile up on the GPU."""
     ref = weakref.WeakMethod(method)
     p.register_post_accumulate_grad_hook(lambda param: ref() and ref()(param))
 
@@ -76,15 +86,9 @@ class DataParallel(nn.Module):
                 dist.broadcast(tensor, src=0)
         self.trainable = [p for p in module.parameters() if p.requires_grad]  # frozen: never reduced
         self.names = {p: name for name, p in module.named_parameters()}
-        # NCCL averages inside the collective; gloo may not, so it sums and we divide
-        nccl = dist.get_backend() == "nccl"
-        self.op, self.divisor = (dist.ReduceOp.AVG, 1) if nccl else (dist.ReduceOp.SUM, dist.get_world_size())
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    def averaged(self, tensor):
-        return tensor.div_(self.divisor) if self.divisor > 1 else tensor
 
     def check(self, missing):
         if missing:
@@ -92,11 +96,12 @@ class DataParallel(nn.Module):
                                "finish_gradient_synchronization: every trainable parameter must be used in forward")
 
     def all_reduce_flat(self, params):
-        """One all-reduce of one flat copy of all the gradients: one latency, full bandwidth."""
+        """FlatDDP: one all-reduce of one flat copy of all the gradients after backward: one latency,
+        full bandwidth, paid for with a copy in, a copy out and a second gradient-sized buffer."""
         self.check([p for p in params if p.grad is None])
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, op=self.op)
-        for p, part in zip(params, self.averaged(flat).split([p.numel() for p in params])):
+        dist.all_reduce(flat, op=AVG)
+        for p, part in zip(params, flat.split([p.numel() for p in params])):
             p.grad.copy_(part.view_as(p))
 
 
@@ -107,14 +112,10 @@ class NaiveDDP(DataParallel):
     def finish_gradient_synchronization(self):
         self.check([p for p in self.trainable if p.grad is None])
         for p in self.trainable:
-            dist.all_reduce(p.grad, op=self.op)
-            self.averaged(p.grad)
+            dist.all_reduce(p.grad, op=AVG)
 
 
 class FlatDDP(DataParallel):
-    """all_reduce_flat after backward: paid for with a copy in, a copy out and a second
-    gradient-sized buffer, and still nothing overlapped."""
-
     def finish_gradient_synchronization(self):
         self.all_reduce_flat(self.trainable)
 
@@ -131,13 +132,12 @@ class OverlapDDP(DataParallel):
 
     def reduce(self, p):
         # every rank runs the same graph, so the hooks fire and the collectives queue in one order
-        self.works[p] = dist.all_reduce(p.grad, op=self.op, async_op=True)
+        self.works[p] = dist.all_reduce(p.grad, op=AVG, async_op=True)
 
     def finish_gradient_synchronization(self):
         self.check([p for p in self.trainable if p not in self.works])
-        for p, work in self.works.items():
+        for work in self.works.values():
             work.wait()  # on a GPU: the compute stream waits for NCCL's, the CPU goes on
-            self.averaged(p.grad)
         self.works = {}
 
 
@@ -176,10 +176,10 @@ class BucketDDP(DataParallel):
                     p.zero2 = (weakref.ref(self), *((flat[a:b], grad[a - lo:b - lo]) if a < b else (None, None)))
 
     def view(self, flat, p):
-        i, offset = self.slot[p]
-        return flat[offset:offset + p.numel()].view_as(p)
+        return flat[self.slot[p][1]:self.slot[p][1] + p.numel()].view_as(p)
 
     def flatten(self, i):
+        """Move bucket i's parameters into one flat buffer (one at a time: no second model)."""
         flat = self.buckets[i][0].new_zeros(self.sizes[i])
         for p in self.buckets[i]:
             self.view(flat, p).copy_(p.detach())
@@ -204,9 +204,9 @@ class BucketDDP(DataParallel):
             sent = grads if self.comm_dtype in (None, grads.dtype) else grads.to(self.comm_dtype)
             if self.shard:
                 out = self.shard_grads[i] if sent is grads else sent.new_empty(sent.numel() // self.world)
-                self.works.append((i, out, reduce_scatter_into(out, sent, op=self.op, async_op=True)))
+                self.works.append((i, out, reduce_scatter_into(out, sent, op=AVG, async_op=True)))
             else:
-                self.works.append((i, sent, dist.all_reduce(sent, op=self.op, async_op=True)))
+                self.works.append((i, sent, dist.all_reduce(sent, op=AVG, async_op=True)))
             self.next_bucket += 1
 
     def finish_gradient_synchronization(self):
@@ -214,7 +214,8 @@ class BucketDDP(DataParallel):
         for i, out, work in self.works:
             work.wait()
             target = self.shard_grads[i] if self.shard else self.grads[i]
-            self.averaged(target if out is target else target.copy_(out))
+            if out is not target:  # sent in comm_dtype: back into the fp32 buffer
+                target.copy_(out)
         if self.shard:  # the full gradients have served: a rank keeps only its slices
             self.grads = [None] * len(self.buckets)
             for p in self.trainable:
@@ -395,14 +396,14 @@ class FSDP(DataParallel):
         full.grad = None
         full.untyped_storage().resize_(0)  # backward is done with these weights
         out = torch.empty_like(p)
-        self.pending.append((reduce_scatter_into(out, grad, op=self.op, async_op=True), p, out))
+        self.pending.append((reduce_scatter_into(out, grad, op=AVG, async_op=True), p, out))
         self.reduced.add(p)
 
     def settle(self, n):
         """Wait for the first n reduce-scatters in flight; their averages become the shards' .grad."""
         for work, p, out in self.pending[:n]:
             work.wait()
-            p.grad = self.averaged(out) if p.grad is None else p.grad + self.averaged(out)
+            p.grad = out if p.grad is None else p.grad + out
         self.pending = self.pending[n:]
 
     def finish_gradient_synchronization(self):
@@ -456,11 +457,9 @@ def toy_optimizer(model, kind):
     """SGD, or AdamW with a decayed and an undecayed group, sharded ("zero-adamw") with the second
     group added after construction."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.5)
     groups = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    if kind == "adamw":
-        return torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1)
+    if kind != "zero-adamw":
+        return torch.optim.SGD(params, lr=0.5) if kind == "sgd" else torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1)
     optimizer = ShardedOptimizer(groups[:1], torch.optim.AdamW, lr=0.05, weight_decay=0.1)
     optimizer.add_param_group(groups[1])
     return optimizer
@@ -514,37 +513,36 @@ TOY_VARIANTS = {
 
 
 def selftest_worker(rank, world, device, args):
-    rows, saved = [], {}
+    """Per variant, every rank's weights after training against one process on the whole batch
+    from rank 0's initial weights (a rank the broadcast missed differs too); for FSDP, after one
+    more sync, fp32 gradients shaped like the shards, the replicated ones the same bits on every
+    rank; for ZeRO, the optimizer state split between the ranks."""
+    rows = []
     for name, (wrapper, kind, tol) in TOY_VARIANTS.items():
         torch.manual_seed(100 + rank)  # different weights on every rank until the wrapper syncs them
         wrapped = wrapper(ToyModel().to(device))
-        initial = gather(toy_state(wrapped))
-        optimizer = toy_optimizer(wrapped.module, kind)
+        initial, optimizer = toy_state(wrapped), toy_optimizer(wrapped.module, kind)
         train_toy(wrapped, optimizer, args.steps, rank, world)
-        final = gather(toy_state(wrapped))
-        local = getattr(optimizer, "local", optimizer)  # what this rank holds optimizer state for
-        held = gather(sum(p.numel() for p in local.state) if local is not None else 0)
-        grads_ok = True
-        if isinstance(wrapped, FSDP):  # after one more sync: fp32 gradients shaped like the shards,
-            train_toy(wrapped, None, 1, rank, world)  # the replicated ones the same bits everywhere
+        final, ok = gather(toy_state(wrapped)), True
+        if isinstance(wrapped, FSDP):
+            train_toy(wrapped, None, 1, rank, world)
             replicated = gather([p.grad.cpu() for p in wrapped.replicated])
-            grads_ok = all(gather(all(p.grad.dtype == torch.float32 and p.grad.shape == p.shape for p in wrapped.trainable)))
-            grads_ok &= all(torch.equal(a, b) for r in replicated for a, b in zip(r, replicated[0]))
+            ok = all(gather(all(p.grad.dtype == torch.float32 and p.grad.shape == p.shape for p in wrapped.trainable)))
+            ok &= all(torch.equal(a, b) for r in replicated for a, b in zip(r, replicated[0]))
+        if isinstance(optimizer, ShardedOptimizer):
+            held = gather(sum(p.numel() for p in optimizer.local.state) if optimizer.local else 0)
+            ok &= sum(held) == sum(p.numel() for p in wrapped.trainable) and (world == 1 or max(held) < sum(held))
         if rank == 0:
             reference, dtype = ToyModel().to(device), getattr(wrapped, "compute_dtype", None)
-            reference.load_state_dict(initial[0], strict=False)  # (the tied output layer comes with embed)
+            reference.load_state_dict(initial, strict=False)  # (the tied output layer comes with embed)
             train_toy(reference, toy_optimizer(reference, kind.removeprefix("zero-")), args.steps, dtype=dtype,
                       parts=world if dtype else 1)
-            diff = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in a)  # noqa: E731
-            spread, error = max(diff(s, initial[0]) for s in initial), max(diff(s, toy_state(reference)) for s in final)
-            rows.append([name, f"{spread:.1e}", f"{error:.1e}", f"{tol:.0e}", "ok" if spread == 0 and error <= tol and grads_ok else "FAIL"])
-            saved[name] = {"optimizer": kind, "initial": initial, "final": final, "state_held": held}
-    if rank == 0 and args.save:
-        torch.save({"steps": args.steps, "world": world, "variants": saved}, args.save)
+            error = max((state[k] - w).abs().max().item() for state in final for k, w in toy_state(reference).items())
+            rows.append([name, f"{error:.1e}", f"{tol:.0e}", "ok" if ok and error <= tol else "FAIL"])
     return rows
 
 
-# --- 4. all-reduce bandwidth
+# --- 4. all-reduce bandwidth: small messages pay latency, large ones the link's bandwidth
 
 
 def parse_size(text):
@@ -561,35 +559,45 @@ def size_label(nbytes):
 
 
 def allreduce_worker(rank, world, device, args):
+    """ms per all-reduce of each size: the slowest rank's (a collective ends when its last rank
+    does), median of the runs (it resists stray slow ones)."""
     rows = []
-    for nbytes in args.size_bytes:
+    for nbytes in args.sizes:
         x = torch.full((nbytes // 4,), float(rank + 1), device=device)
         dist.all_reduce(x)  # doubles as a warm-up and a check that the sum is right
         if x[0].item() != world * (world + 1) / 2:
             raise RuntimeError(f"all-reduce returned {x[0].item()}, expected {world * (world + 1) / 2}")
         times = []
-        for i in range(args.warmup + args.reps):
+        for _ in range(args.warmup + args.reps):
             dist.barrier()  # start together, or a late rank's delay is timed as transfer
             synchronize(device)
             start = clock(device)
             dist.all_reduce(x)
-            times += [elapsed_ms(start, clock(device))] if i >= args.warmup else []
-        # a collective is done when its slowest rank is; the median resists stray slow runs
-        rows.append([world, nbytes, statistics.median(max(run) for run in zip(*gather(times)))])
+            times.append(elapsed_ms(start, clock(device)))
+        rows.append([world, nbytes, statistics.median(max(run) for run in zip(*gather(times[args.warmup:])))])
         del x
     return rows
 
 
-def run_allreduce(args, worlds, backend):
-    where = f"{torch.cuda.get_device_name()} GPUs, NCCL" if backend == "nccl" else "CPU processes, gloo (no GPU: a smoke run)"
-    print(f"all-reduce of float32 on {where}, torch {torch.__version__}: median of {args.reps} runs "
-          f"after {args.warmup} warm-up, world {', '.join(map(str, worlds))}")
-    rows = [row for world in worlds for row in launch(allreduce_worker, world, backend, args) or []]
-    if not rows:
-        return
+def run_allreduce(args, gpu):
+    args.warmup = 5 if args.warmup is None else args.warmup
+    try:
+        args.sizes = [parse_size(s) for s in (args.sizes or ("1M,10M,100M,1G" if gpu else "4K,64K,1M")).split(",")]
+    except ValueError as e:
+        fail(f"--sizes: {e}")
+    big, memory = max(args.sizes), torch.cuda.get_device_properties(0).total_memory if gpu else 0
+    if gpu and big > 0.9 * memory:
+        fail(f"--sizes {size_label(big)}: the buffer does not fit in one {torch.cuda.get_device_name(0)} ({gib(memory)} GiB)")
+    gpus = torch.cuda.device_count() if gpu else 2
+    worlds = [args.world] if args.world else [w for w in (2, 4, 6, 8) if w <= gpus] or [gpus]
+    for world in worlds:
+        check_launch(world, args.backend, 0 if gpu else 2 * big, f"an all-reduce of {size_label(big)}")
+    print(f"all-reduce of float32 on {f'{torch.cuda.get_device_name()} GPUs, NCCL' if gpu else 'CPU processes, gloo (no GPU: a smoke run)'}, "
+          f"torch {torch.__version__}: median of {args.reps} runs after {args.warmup} warm-up, world {', '.join(map(str, worlds))}")
     # nccl-tests' bus bandwidth: a rank sends and receives 2(n-1)/n of the buffer, so algbw x 2(n-1)/n
     # compares across world sizes and with link speeds
-    rows = [[w, size_label(n), f"{ms:.3f}", f"{n / ms / 1e6:.3g}", f"{n / ms / 1e6 * 2 * (w - 1) / w:.3g}"] for w, n, ms in rows]
+    rows = [[w, size_label(n), f"{ms:.3f}", f"{n / ms / 1e6:.3g}", f"{n / ms / 1e6 * 2 * (w - 1) / w:.3g}"]
+            for world in worlds for w, n, ms in launch(allreduce_worker, world, args.backend, args)]
     print_table(["world", "size", "time (ms)", "algbw (GB/s)", "busbw (GB/s)"], rows)
     print("algbw = bytes / time; busbw = algbw x 2(n-1)/n (nccl-tests' all-reduce definition); "
           "time = slowest rank's, median of runs; GB = 1e9 bytes")
@@ -604,17 +612,8 @@ LABELS = {"local": "local (no comm)", "torch": "torch DDP", "naive": "NaiveDDP",
 # the ranks). FlatDDP's flat copy only lives during its sync, but counts.
 RESIDENT = {"local": (3, 0), "torch": (4, 0), "naive": (3, 0), "flat": (4, 0), "overlap": (3, 0), "bucket": (4, 0),
             "sharded": (2, 2), "zero2": (1, 3), "fsdp": (0, 4), "fsdp2": (0, 4)}
-
-
-def variant_list(args):
-    """(label, key, dtype) per row: each variant with each --comm-dtype where one applies (what torch
-    DDP, BucketDDP and ZeRO send; what FSDP gathers and computes with), or the one in key:dtype."""
-    rows = []
-    for key, _, only in (v.partition(":") for v in args.variants):
-        for dtype in [only] if only else args.comm_dtypes if key in ("torch", "bucket", "sharded", "zero2", "fsdp") else ["fp32"]:
-            if not (key == "torch" and dtype == "bf16" and args.backend != "nccl"):  # torch's bf16 hook needs NCCL
-                rows.append((LABELS[key] + ("" if dtype == "fp32" else " bf16 compute" if key == "fsdp" else " bf16 comm"), key, dtype))
-    return rows
+# key:bf16 is what torch DDP, BucketDDP and ZeRO send, and what FSDP gathers and computes with
+VARIANTS = [k + d for k in LABELS for d in ("", ":fp32", ":bf16")[:3 if k in ("torch", "bucket", "sharded", "zero2", "fsdp") else 2]]
 
 
 def fully_shard_gpt(model):
@@ -622,9 +621,6 @@ def fully_shard_gpt(model):
     root; bf16 parameters, fp32 gradient reduction; the root (and the last block, the first one
     backward needs) kept gathered after forward; explicit prefetching of the next block in forward
     and of the previous one in backward."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     kw = {"mesh": init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),)),
           "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     blocks = list(model.h)
@@ -636,20 +632,18 @@ def fully_shard_gpt(model):
         block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0):i])
 
 
-def make_step(key, dtype, args, rank, device):
+def make_step(key, bf16, args, rank, device):
     """One training step of GPT under one variant, in four phases: forward, backward, waiting for
     the gradients' communication, optimizer step."""
     torch.manual_seed(rank)
     with torch.device(device):
         model = wrapped = GPT(make_config(args.model, vocab_size=args.vocab))
-    dtype = torch.bfloat16 if dtype == "bf16" else None
+    dtype = torch.bfloat16 if bf16 else None
     if key == "torch":
         wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                                       bucket_cap_mb=args.bucket_mb)
         if dtype:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            wrapped.register_comm_hook(None, bf16_compress_hook)
     elif key in ("naive", "flat", "overlap", "fsdp"):
         wrapped = FSDP(model, dtype) if key == "fsdp" else {"naive": NaiveDDP, "flat": FlatDDP, "overlap": OverlapDDP}[key](model)
     elif key in ("bucket", "sharded", "zero2"):
@@ -678,44 +672,50 @@ def make_step(key, dtype, args, rank, device):
     return [forward, lambda: loss.pop().backward(), getattr(wrapped, "finish_gradient_synchronization", lambda: None), step]
 
 
-def groups_that_fit(rows, args, world, device):
-    """Split the rows into groups whose models fit on one GPU together, each group with the torch
-    DDP and no-comm rows to pair with."""
-    shared = [r for r in rows if r[1] in ("torch", "local") and r[2] == "fp32"]
-    others = [r for r in rows if r not in shared]
-    if device.type != "cuda" or not others:
-        return [shared + others]
-    config = make_config(args.model, vocab_size=args.vocab)
-    with torch.device("meta"):
-        weights = 4 * GPT(config).num_params()
-    # on top of what all keep: one step's gradients, and its activations (~34 bytes per token, layer and width in bf16)
-    budget = 0.9 * min(gather(torch.cuda.get_device_properties(device).total_memory)) - weights \
-        - 34 * args.batch * args.seq * config.n_embd * config.n_layer
-    groups = []
-    for row in others:
-        if not groups or sum(RESIDENT[k][0] + RESIDENT[k][1] / world for _, k, _ in groups[-1] + [row]) * weights > budget:
-            groups.append(list(shared))
-        groups[-1].append(row)
-    return groups
+def benchmark_worker(rank, world, device, args):
+    """Rows in groups whose models fit on one GPU together, each group with the torch DDP and no-comm
+    rows to pair with; {label: result}, and torch DDP's median in each group."""
+    set_tf32(True)
+    rows, results, baselines = args.rows, {}, []
+    shared = [r for r in rows if r[1] in ("torch", "local") and not r[2]]
+    groups = [shared + [r for r in rows if r not in shared]]
+    if device.type == "cuda" and len(groups[0]) > len(shared):
+        config = make_config(args.model, vocab_size=args.vocab)
+        with torch.device("meta"):
+            weights = 4 * GPT(config).num_params()
+        # on top of what all keep: one step's gradients, and its activations (~34 bytes per token, layer and width in bf16)
+        budget = 0.9 * min(gather(torch.cuda.get_device_properties(device).total_memory)) - weights \
+            - 34 * args.batch * args.seq * config.n_embd * config.n_layer
+        groups = []
+        for row in [r for r in rows if r not in shared]:
+            if not groups or sum(RESIDENT[k][0] + RESIDENT[k][1] / world for _, k, _ in groups[-1] + [row]) * weights > budget:
+                groups.append(list(shared))
+            groups[-1].append(row)
+    for g, group in enumerate(groups):
+        if rank == 0:
+            print(f"  group {g + 1} of {len(groups)}: {', '.join(label for label, _, _ in group)}", flush=True)
+        baselines.append(time_group(group, results, args, rank, device))
+        free_memory()  # the group's models are gone with time_group's frame
+    return {"rows": results, "baselines": [b for b in baselines if b], "groups": len(groups)}
 
 
 def time_group(group, results, args, rank, device):
     """Build and warm up each variant of the group (its own peak memory: the peak while it warmed
     up, less what the others already held), time them interleaved, then split their steps into
     phases. A variant out of memory on any rank is out on all of them."""
-    cuda, live, peaks, local = device.type == "cuda", {}, {}, LABELS["local"]
+    cuda, live, peaks, local, base = device.type == "cuda", {}, {}, LABELS["local"], LABELS["torch"]
 
     def sync():  # every rank finishes a round before any starts the next
         synchronize(device)
         dist.barrier()
 
-    for label, key, dtype in group:
+    for label, key, bf16 in group:
         try:
             synchronize(device)
             before = torch.cuda.memory_allocated(device) if cuda else 0
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            live[label] = make_step(key, dtype, args, rank, device)
+            live[label] = make_step(key, bf16, args, rank, device)
             for _ in range(args.warmup):
                 for phase in live[label]:
                     phase()
@@ -732,7 +732,7 @@ def time_group(group, results, args, rank, device):
     steps = {label: (lambda phases=phases: [phase() for phase in phases]) for label, phases in live.items()}
     every = gather(time_rounds(steps, device, args.rounds, args.steps, warmup=0, sync=sync)[0])
     times = {label: [max(r[label][i] for r in every) for i in range(args.rounds)] for label in live}  # slowest rank's
-    timings = summarize(times, baseline=LABELS["torch"] if LABELS["torch"] in times else None)
+    timings = summarize(times, baseline=base if base in times else None)
     for label, phases in live.items():
         split = []
         for _ in range(args.steps):  # the instrumented pass: an event between the phases
@@ -746,19 +746,7 @@ def time_group(group, results, args, rank, device):
             "oom": False, "timing": vars(timings[label]), "peak": max(gather(peaks[label])) if cuda else None,
             "phases": [statistics.fmean(c) for c in zip(*gather([statistics.median(c) for c in zip(*split)]))],
             "exposed": statistics.median(a - b for a, b in zip(times[label], times[local])) if local in times else None})
-    return timings[LABELS["torch"]].median if LABELS["torch"] in timings else None
-
-
-def benchmark_worker(rank, world, device, args):
-    set_tf32(True)
-    results, groups = {}, groups_that_fit(variant_list(args), args, world, device)
-    baselines = []  # torch DDP's median in each group
-    for g, group in enumerate(groups):
-        if rank == 0:
-            print(f"  group {g + 1} of {len(groups)}: {', '.join(label for label, _, _ in group)}", flush=True)
-        baselines.append(time_group(group, results, args, rank, device))
-        free_memory()  # the group's models are gone with time_group's frame
-    return {"rows": results, "baselines": [b for b in baselines if b], "groups": len(groups)}
+    return timings[base].median if base in timings else None
 
 
 def print_benchmark(out, args, world):
@@ -791,7 +779,7 @@ def print_benchmark(out, args, world):
     print("summary: step (memory) vs torch DDP's: " + ("; ".join(parts) if parts else "no torch DDP row to compare with"))
 
 
-# --- 6. launching ranks (our own on 127.0.0.1, or torchrun's) and the command line
+# --- 6. launching the ranks, and the command line
 
 
 def gather(obj):
@@ -801,38 +789,31 @@ def gather(obj):
     return out
 
 
-def run_rank(rank, world, backend, worker, args, init_method, out):
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if backend == "nccl" else torch.device("cpu")
+def run_rank(rank, world, backend, worker, args, tmp):
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # ranks share the cores: left alone, each would start a thread per core and they thrash
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     # the timeout turns a rank that never arrives (a crash, an OOM on one GPU) into an error
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=args.timeout), device_id=device if device.type == "cuda" else None)
     try:
         result = worker(rank, world, device, args)
     finally:
         dist.destroy_process_group()
-    if rank == 0 and out:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    return result if rank == 0 else None
+    if rank == 0:
+        torch.save(result, f"{tmp}/result.pt")
 
 
 def launch(worker, world, backend, args):
-    """worker(rank, world, device, args) on every rank; rank 0's result (None on torchrun's other
-    ranks). Our ranks are forked on the CPU (they inherit the imported torch) and spawned on GPUs
-    (CUDA does not survive a fork); rank 0 hands its result back in a file."""
-    if "RANK" in os.environ:  # started by torchrun
-        return run_rank(int(os.environ["RANK"]), world, backend, worker, args, "env://", None)
+    """worker(rank, world, device, args) on every rank; rank 0's result. The ranks are forked on the
+    CPU (they inherit the imported torch) and spawned on GPUs (CUDA does not survive a fork); they
+    meet in a file store, and rank 0 hands its result back in a file beside it."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # no line per rank stopped
     with tempfile.TemporaryDirectory() as tmp:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            init, out = f"tcp://127.0.0.1:{s.getsockname()[1]}", os.path.join(tmp, "result.json")
         try:
-            mp.start_processes(run_rank, args=(world, backend, worker, args, init, out), nprocs=world,
+            mp.start_processes(run_rank, args=(world, backend, worker, args, tmp), nprocs=world,
                                start_method="spawn" if backend == "nccl" else "fork")
         except mp.ProcessRaisedException as e:  # a bug: its traceback
             print(f"error: rank {e.error_index} failed:\n{e}", file=sys.stderr)
@@ -842,18 +823,11 @@ def launch(worker, world, backend, args):
                 name = signal.Signals(-e.exit_code).name
                 fail(f"rank {e.error_index} was killed by {name}" + " (out of memory?)" * (name == "SIGKILL"))
             sys.exit(e.exit_code or 1)
-        with open(out) as f:
-            return json.load(f)
+        return torch.load(f"{tmp}/result.pt")
 
 
 def check_launch(world, backend, rank_bytes, what):
     """Exit 2 with one sentence before starting ranks this machine cannot hold."""
-    if world < 1:
-        fail(f"--world must be at least 1, got {world}")
-    if "RANK" in os.environ:  # torchrun started the ranks
-        if world != int(os.environ["WORLD_SIZE"]):
-            fail(f"--world {world} differs from torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")
-        return
     if backend == "nccl" and world > torch.cuda.device_count():
         fail(f"--world {world} is more than the {torch.cuda.device_count()} GPUs on this machine")
     # a spawned GPU rank imports torch and makes a CUDA context (~2 GiB of host memory); a forked
@@ -865,22 +839,10 @@ def check_launch(world, backend, rank_bytes, what):
         fail(f"{what} on {world} ranks needs about {gib(need)} GiB of host memory; {gib(free)} GiB are free")
 
 
-def parse_list(text, parse, flag, choices=None):
-    try:
-        values = [parse(v.strip()) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        fail(f"{flag}: {e}")
-    bad = [v for v in values if choices and (v.partition(":")[0] not in choices or v.partition(":")[2] not in ("", "fp32", "bf16"))]
-    if not values or bad:
-        fail(f"{flag}: " + (f"unknown '{bad[0]}'; choose from {', '.join(choices)}" if bad else "empty"))
-    return values
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description="All-reduce bandwidth and data-parallel training: DDP, ZeRO, FSDP.")
     sub = parser.add_subparsers(dest="command", required=True)
     ar = sub.add_parser("allreduce", help="all-reduce time and bandwidth table")
-    ar.add_argument("--world", help="comma-separated world sizes (default 2,4,6,8 as GPUs allow; 2 on CPU)")
     ar.add_argument("--sizes", help="float32 buffer sizes, K/M/G = 2^10/2^20/2^30 bytes (default 1M,10M,100M,1G; 4K,64K,1M on CPU)")
     ar.add_argument("--reps", type=int, default=20, help="timed runs per size (median reported)")
     bm = sub.add_parser("benchmark", help="a GPT training step under every variant, interleaved in rounds")
@@ -889,62 +851,41 @@ def main(argv=None):
     bm.add_argument("--seq", type=int, help="context length (default 512; 32 on CPU)")
     bm.add_argument("--vocab", type=int, default=50304, help="vocabulary, padded to a multiple of 128")
     bm.add_argument("--rounds", type=int, help="interleaved rounds (default 30: with 8, paired ratios moved 12%% between runs; 2 on CPU)")
-    bm.add_argument("--steps", type=int, default=3, help="steps per variant per round, and in the instrumented pass")
-    bm.add_argument("--variants", default=",".join(LABELS), help=f"any of {','.join(LABELS)}; key:bf16 or key:fp32 for one dtype")
-    bm.add_argument("--comm-dtype", default="fp32,bf16", help="fp32, bf16 or both: what torch/bucket/sharded/zero2 send and fsdp computes with")
+    bm.add_argument("--variants", default=",".join(v for v in VARIANTS if ":fp32" not in v),
+                    help=f"comma-separated, from: {','.join(LABELS)}; key:bf16 sends (fsdp: computes with) bf16 where it applies")
     bm.add_argument("--bucket-mb", type=float, default=25, help="bucket size for BucketDDP, ZeRO and torch DDP")
+    bm.add_argument("--plot", help="save the step split per variant to this PNG (needs matplotlib)")
     st = sub.add_parser("selftest", help="every wrapper against one process on the whole batch")
+    bm.add_argument("--steps", type=int, default=2, help="steps per variant per round, and in the phase pass")
     st.add_argument("--steps", type=int, default=3, help="training steps compared")
-    st.add_argument("--save", help="write every rank's weights and the initial ones to this file")
     for p in (ar, bm):
         p.add_argument("--warmup", type=int, help="untimed runs first (default 5 per size; 3 steps per variant, 1 on CPU)")
-    bm.add_argument("--plot", help="save the step split per variant to this PNG (needs matplotlib)")
-    for p in (bm, st):
-        p.add_argument("--world", type=int, help="ranks (default 2, or torchrun's)")
     for p in (ar, bm, st):
-        p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: nccl with GPUs, else gloo")
+        p.add_argument("--world", type=int, help="ranks (default 2; allreduce: 2,4,6,8 as GPUs allow)")
+        p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
         p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before the run fails")
     args = parser.parse_args(argv)
 
-    gpu = (args.backend == "nccl") or (args.backend == "auto" and torch.cuda.is_available())
+    gpu = args.backend == "nccl" or (args.backend is None and torch.cuda.is_available())
     args.backend = "nccl" if gpu else "gloo"
+    if "RANK" in os.environ:
+        fail("ddp.py starts its own ranks, one per GPU: run it with python, not torchrun")
     if gpu and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo")
     for flag, least in (("reps", 1), ("steps", 1), ("batch", 1), ("seq", 1), ("rounds", 1), ("timeout", 1), ("vocab", 1),
                         ("warmup", 1 if args.command == "benchmark" else 0), ("bucket_mb", 0.001), ("world", 1)):
         if isinstance(getattr(args, flag, None), (int, float)) and getattr(args, flag) < least:
             fail(f"--{flag.replace('_', '-')} must be at least {least:g}, got {getattr(args, flag):g}")
-    try:
-        if getattr(args, "plot", None):
-            plot_to(args.plot)
-        if getattr(args, "save", None) is not None:
-            check_output_path(args.save, "--save")
-    except ValueError as e:
-        fail(str(e))
-    if int(os.environ.get("RANK", 0)) != 0:  # under torchrun only rank 0 prints
-        sys.stdout = open(os.devnull, "w")
-    default_world = int(os.environ.get("WORLD_SIZE", 2)) if "RANK" in os.environ else 2
     if args.command == "allreduce":
-        gpus, args.warmup = torch.cuda.device_count() if gpu else 0, 5 if args.warmup is None else args.warmup
-        worlds = parse_list(args.world, int, "--world") if args.world else \
-            [default_world] if "RANK" in os.environ else [w for w in (2, 4, 6, 8) if w <= gpus] or [gpus or 2]
-        args.size_bytes = parse_list(args.sizes or ("1M,10M,100M,1G" if gpu else "4K,64K,1M"), parse_size, "--sizes")
-        big, memory = max(args.size_bytes), torch.cuda.get_device_properties(0).total_memory if gpu else 0
-        if gpu and big > 0.9 * memory:
-            fail(f"--sizes {size_label(big)}: the buffer does not fit in one {torch.cuda.get_device_name(0)} ({gib(memory)} GiB)")
-        for world in worlds:
-            check_launch(world, args.backend, 0 if gpu else 2 * big, f"an all-reduce of {size_label(big)}")
-        return run_allreduce(args, worlds, args.backend)
-    world = default_world if args.world is None else args.world
+        return run_allreduce(args, gpu)
+    world = args.world or 2
     if args.command == "selftest":
-        if world > 8:
-            fail(f"--world {world}: the selftest's batch of 8 sequences splits over at most 8 ranks")
+        if 8 % world:  # equal slices: the mean of their mean losses is the whole batch's
+            fail(f"--world {world}: the selftest's batch of 8 sequences splits evenly over 1, 2, 4 or 8 ranks")
         check_launch(world, args.backend, 0, "the selftest")
         print(f"selftest: every wrapper on {world} ranks ({args.backend}) vs one process on the whole batch, {args.steps} steps")
         rows = launch(selftest_worker, world, args.backend, args)
-        if rows is None:
-            return
-        print_table(["variant", "max |rank - rank 0| at start", "max |w - reference| at end", "tolerance", "result"], rows)
+        print_table(["variant", "max |w - reference| on any rank", "tolerance", "result"], rows)
         failed = [r[0] for r in rows if r[-1] != "ok"]
         print(f"selftest: {len(rows) - len(failed)} of {len(rows)} variants match one-process training"
               + (f"; FAILED: {', '.join(failed)}" if failed else ""))
@@ -953,25 +894,29 @@ def main(argv=None):
         setattr(args, flag, getattr(args, flag) or (gpu_value if gpu else cpu_value))
     try:
         config = make_config(args.model, vocab_size=args.vocab)
+        if args.plot:
+            plot_to(args.plot)
     except ValueError as e:
         fail(str(e))
     if args.seq > config.block_size:
         fail(f"--seq {args.seq} is longer than the {args.model} block size {config.block_size}")
-    args.variants = parse_list(args.variants, str, "--variants", LABELS)
-    args.comm_dtypes = parse_list(args.comm_dtype, str, "--comm-dtype", ("fp32", "bf16"))
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants or any(v not in VARIANTS for v in variants):
+        fail(f"--variants: {f'unknown {next(v for v in variants if v not in VARIANTS)!r}' if variants else 'empty'}; choose from {', '.join(LABELS)}")
+    # (label, key, bf16) per row; torch's bf16 hook needs NCCL
+    args.rows = [(LABELS[k] + (" bf16 compute" if k == "fsdp" else " bf16 comm") * (d == "bf16"), k, d == "bf16")
+                 for k, _, d in (v.partition(":") for v in variants) if not (k == "torch" and d == "bf16" and not gpu)]
     with torch.device("meta"):
         weights = 4 * GPT(config).num_params()
     # on the CPU all the variants live in each rank's memory at once; a GPU holds them itself
-    check_launch(world, args.backend, 0 if gpu else int(weights * (1 + sum(sum(RESIDENT[k]) for _, k, _ in variant_list(args)))),
-                 f"the benchmark of GPT {args.model}")
+    check_launch(world, args.backend, 0 if gpu else int(weights * (1 + sum(sum(RESIDENT[k]) for _, k, _ in args.rows))),
+                      f"the benchmark of GPT {args.model}")
     print(f"data-parallel GPT {args.model} ({weights / 4e6:.0f}M parameters) on "
           + (f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast" if gpu else
              f"{world} CPU processes over gloo, fp32 (no GPU: a smoke run, not a measurement)")
           + f", torch {torch.__version__}: B={args.batch} per rank, T={args.seq}, AdamW; {args.rounds} rounds of "
           f"{args.steps} steps per variant after {args.warmup} warm-up")
-    out = launch(benchmark_worker, world, args.backend, args)
-    if out is not None:
-        print_benchmark(out, args, world)
+    print_benchmark(launch(benchmark_worker, world, args.backend, args), args, world)
 
 
 if __name__ == "__main__":
