@@ -269,12 +269,12 @@ CE_CHUNK_ROWS = 8192
 
 
 @triton.jit
-def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, n_valid, n_cols, scale,
-                        BLOCK: tl.constexpr):
+def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, n_valid, n_cols, BLOCK: tl.constexpr):
     """One program per row: the row's loss (fp32 log-sum-exp, online over blocks of columns),
-    then d(scale * loss)/dlogits = scale * (softmax - onehot) written over the logits. Columns
-    from n_valid on are vocabulary padding: no probability, zero gradient."""
-    scale = tl.cast(scale, tl.float32)  # under torch.compile a Python float arrives as fp64
+    then its gradient softmax - onehot written over the logits. Columns from n_valid on are
+    vocabulary padding: no probability, zero gradient. (The 1/N of the mean is applied in
+    backward: a float argument here breaks Inductor's launch when it recompiles with dynamic
+    shapes, torch 2.11.)"""
     row = logits_ptr + tl.program_id(0).to(tl.int64) * stride
     m = float("-inf")  # running max and sum of exp(z - m): one exp per element
     s = 0.0
@@ -290,23 +290,23 @@ def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, n_valid, n_co
     for start in range(0, n_cols, BLOCK):  # the second read of a row mostly hits the L2 cache
         cols = start + tl.arange(0, BLOCK)
         z = tl.load(row + cols, mask=cols < n_valid, other=float("-inf")).to(tl.float32)
-        grad = tl.exp(z - lse) * scale
-        grad = tl.where(cols == target, grad - scale, grad)
+        grad = tl.exp(z - lse)
+        grad = tl.where(cols == target, grad - 1.0, grad)
         tl.store(row + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-def chunk_loss_and_grad(logits, targets, n_valid, scale):
-    """The same in plain PyTorch (the CPU path, and the kernel's reference): per-row losses, and
-    the gradient written over the logits."""
+def chunk_loss_and_grad(logits, targets, n_valid):
+    """Per-row losses, and their gradient written over the logits: the Triton kernel on a GPU, the
+    same in plain PyTorch on the CPU (and as the kernel's reference)."""
     if logits.is_cuda:
         losses = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
         _cross_entropy_rows[(logits.shape[0],)](logits, targets, losses, logits.stride(0), n_valid,
-                                                logits.shape[1], scale, BLOCK=4096, num_warps=8)
+                                                logits.shape[1], BLOCK=4096, num_warps=8)
         return losses
     z = logits[:, :n_valid].float()
     lse = torch.logsumexp(z, dim=1)
-    grad = torch.exp(z - lse[:, None]) * scale
-    grad[torch.arange(len(targets)), targets] -= scale
+    grad = torch.exp(z - lse[:, None])
+    grad[torch.arange(len(targets)), targets] -= 1
     losses = lse - z.gather(1, targets[:, None]).squeeze(1)
     logits[:, :n_valid] = grad.to(logits.dtype)
     logits[:, n_valid:] = 0
@@ -328,16 +328,18 @@ class LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, N, chunk_rows):
                 rows = slice(start, start + chunk_rows)
                 logits = xc[rows] @ w.t()
-                losses.append(chunk_loss_and_grad(logits, targets[rows], n_valid, 1.0 / N))
+                losses.append(chunk_loss_and_grad(logits, targets[rows], n_valid))
                 dx[rows] = logits @ w  # `logits` now holds their gradient
                 dw.addmm_(logits.t(), xc[rows])  # the matmul accumulates in fp32 inside
         ctx.save_for_backward(dx, dw.to(weight.dtype))
+        ctx.n_rows = N
         return torch.cat(losses).sum() / N
 
     @staticmethod
     def backward(ctx, grad_loss):
-        dx, dw = ctx.saved_tensors
-        return dx * grad_loss, dw * grad_loss, None, None
+        dx, dw = ctx.saved_tensors  # gradients of the sum of the losses; the loss is their mean
+        scale = grad_loss / ctx.n_rows
+        return dx * scale, dw * scale, None, None
 
 
 def linear_cross_entropy(x, weight, targets, chunk_rows=None):

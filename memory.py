@@ -277,7 +277,7 @@ def random_batch(config, B, T, device):
 def step(model, opt, x, y, dtype, mark=lambda phase: None, forward=None):
     """gpt.train_step, with mark(phase) after the forward pass, the backward pass and the update."""
     with autocast(x.device, dtype):
-        loss = (forward or model)(x, y)[1]
+        loss = (model if forward is None else forward)(x, y)[1]  # a compiled module has no truth value
     mark("forward")
     loss.backward()
     mark("backward")

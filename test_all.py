@@ -184,9 +184,9 @@ gen = torch.Generator().manual_seed(0)
 logits = 4 * torch.randn(5, 50304, generator=gen)
 y = torch.randint(0, gpt.GPT2_VOCAB, (5,), generator=gen)
 a, b, loss_b = logits.clone(), logits.clone(), torch.empty(5)
-loss_a = gpt.chunk_loss_and_grad(a, y, gpt.GPT2_VOCAB, 0.1)
-gpt._cross_entropy_rows[(5,)](b, y, loss_b, b.stride(0), gpt.GPT2_VOCAB, 50304, 0.1, BLOCK=4096)
-assert (loss_a - loss_b).abs().max() < 1e-5 and (a - b).abs().max() < 1e-8 and b[:, gpt.GPT2_VOCAB:].abs().max() == 0
+loss_a = gpt.chunk_loss_and_grad(a, y, gpt.GPT2_VOCAB)
+gpt._cross_entropy_rows[(5,)](b, y, loss_b, b.stride(0), gpt.GPT2_VOCAB, 50304, BLOCK=4096)
+assert (loss_a - loss_b).abs().max() < 1e-5 and (a - b).abs().max() < 1e-6 and b[:, gpt.GPT2_VOCAB:].abs().max() == 0
 print("kernel ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120,
@@ -568,7 +568,7 @@ def test_precision_bad_input():
 def test_precision_gpu_sections_and_fp8_gemms():
     code, out, err = call_main("precision.py", "--only", "autocast,tf32,gradscaler,mixed", "--model", "tiny",
                                "--models", "tiny", "--batch", 4, "--seq", 256, "--steps", 3, "--rounds", 3)
-    assert code == 0 and "autocast fp16 on cuda" in out and "skipped" not in out and "OOM" not in out, out
+    assert code == 0 and "autocast fp16 on cuda" in out and "skipped: needs CUDA" not in out and "OOM" not in out, out
     assert out.count("takeaway") >= 5 and "GradScaler" in out, out
     if gpt.fp8_supported("cuda"):  # every FP8 GEMM variant against bf16, within e4m3's few-percent rounding
         ops = precision.gemm_variants(256, 128, 512, torch.device("cuda"))
