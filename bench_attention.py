@@ -24,7 +24,14 @@ Sweep times are gpt.py's one timer: the implementations run interleaved in round
 the median over rounds with its min-max, and the ratio column is the median of per-round ratios
 to --baseline (paired). The flash suite times single kernels with triton.testing.do_bench.
 
-(excerpt to be refreshed from the next GPU run)
+No GPU sweep has been run with this version of the script (the timer changed on 2026-11-23); on a
+CPU (torch 2.13.0, 2026-11-23) `python bench_attention.py` runs a tiny sweep, e.g. its last lines:
+
+    naive attention memory, MiB, B=2 H=1 bf16
+    D   S    saved pred  saved hooks
+    --  ---  ----------  -----------
+    32  128        0.11         0.11
+    summary: D=32 S=128 bf16, forward+backward median ms (vs flash): naive 0.591 ms (0.882x (0.570-0.915)), ...
 """
 
 import argparse

@@ -19,7 +19,20 @@ a speed-up is the median of per-round ratios. MFU is against the detected GPU's 
 when unknown); peak memory is max_memory_allocated (allocated, not reserved) of the variant's own
 weights, AdamW state and step. Without a GPU everything falls back to tiny sizes and says so.
 
-(excerpt to be refreshed from the next GPU run)
+Excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-23), `python bench_e2e.py --ladder
+--rounds 20`, 20 rounds of 2 steps (columns cut):
+
+    rung                                ms/step, median (min-max)  speed-up vs previous  peak alloc (GiB)
+    ----------------------------------  -------------------------  --------------------  ----------------
+    fp32, naive attention, vocab 50257     389.69 (387.32-391.12)                     -             31.84
+    + TF32 matmuls                         183.57 (183.39-184.40)  2.123x (2.101-2.131)             31.78
+    + bf16 autocast                        162.80 (162.65-163.25)  1.128x (1.124-1.133)             29.49
+    + SDPA flash attention                    75.43 (75.28-76.18)  2.158x (2.137-2.165)             15.98
+    + vocab 50304                             49.79 (49.70-50.67)  1.514x (1.489-1.531)             15.98
+    + torch.compile (PDL)                     36.18 (35.80-37.17)  1.379x (1.340-1.399)              9.92
+    + CUDA graphs                             36.55 (36.13-37.07)  0.989x (0.974-1.016)              9.89
+    + fused linear-CE                         36.12 (35.85-36.55)  1.011x (1.002-1.024)              7.73
+    + FP8 block Linears (forced)              39.23 (38.82-39.70)  0.923x (0.906-0.933)              5.88
 """
 
 import argparse

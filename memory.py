@@ -31,7 +31,22 @@ for the DDP run):
     xl --fsdp, batch 8                  29.18        28.82 (-1.2%)    31.17 (+6.8%)
     xl DDP, batch 8                     48.56        47.46 (-2.3%)    48.63 (+0.1%)
 
-(single-GPU excerpt to be refreshed from the next GPU run)
+NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-23, `python memory.py account --sweep --batch 8 --seq 1024
+--vocab 50304` (eager; rows cut) and `python memory.py checkpoint --model 2.7B --batch 4 --seq 2048 --bf16`:
+
+    model / seq / dtype  predicted GiB  measured GiB  error %  measured peak phase  predicted peak moment
+    -------------------  -------------  ------------  -------  -------------------  ---------------------
+    gpt2 T=1024 bf16              5.22          5.22     -0.0              forward      forward: loss end
+    large T=1024 bf16            24.04         24.04     -0.0              forward      forward: loss end
+    xl T=1024 fp32               56.98         56.98     -0.0              forward    forward: loss chunk
+
+    checkpoint groups  predicted GiB  measured GiB (allocated)  error %  ms/step, median (min-max) of 3 rounds  vs none (paired)
+    -----------------  -------------  ------------------------  -------  -------------------------------------  --------------------
+    none                       58.86                     58.86     -0.0                 316.11 (314.90-316.18)  1.000x (1.000-1.000)
+    k=1                        40.47                     40.37     +0.2                 381.92 (380.44-385.60)  1.213x (1.204-1.220)
+    k=2                        40.93                     40.93     -0.0                 394.35 (391.05-394.55)  1.247x (1.237-1.253)
+    k=6                        43.16                     43.16     -0.0                 400.06 (399.65-400.76)  1.266x (1.264-1.273)
+    checkpoint: predicted best k=1, measured best k=1 (40.37 GiB; none: 58.86)
 """
 
 import argparse

@@ -23,7 +23,13 @@ forwards add (what recomputing saves is the drop in peak memory), and the last v
 (or SIGTERM) finishes the step, writes the --ckpt checkpoint and prints how to resume; exit status
 130 (143). Without CUDA the same command trains the `tiny` preset on a short context.
 
-(excerpt to be refreshed from the next GPU run)
+Excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-23; `--vocab 50304 --bf16 --compile`, defaults
+otherwise; the first step, with the compile, took 30.7 s):
+
+    step   198 | loss 5.1156 | lr 6.02e-05 | norm 0.875 | dt    35.9 ms |    457,012 tok/s | MFU 39.5% | mem 7.73 GiB
+    step   199 | loss 4.8341 | lr 6.00e-05 | norm 1.043 | dt    35.4 ms |    463,392 tok/s | MFU 40.0% | mem 7.73 GiB
+    step   199 | val loss 5.7128
+    summary: median step 35.3 ms over steps 10-199 | 464,058 tok/s | MFU 40.1% | peak mem 7.73 GiB | val loss 5.7128
 """
 
 import argparse
