@@ -720,7 +720,8 @@ def check_output_path(path, flag, ours=None):
 
 def is_oom(error):
     """True for out-of-memory errors, also those cuBLAS and some kernels raise as RuntimeError."""
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+    text = str(error).lower()  # the CPU allocator says "not enough memory"
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "not enough memory" in text
 
 
 def free_memory():

@@ -14,13 +14,6 @@ torch.compile keeps fewer bytes than eager: `--compile` predicts (and measures) 
     python memory.py parallel [--model xl --world 2]                       # DP, ZeRO-1/2, FSDP per rank
     python memory.py snapshot --model gpt2 --seq 512 --bf16 --out snap.pickle
 
-CPU, torch 2.13.0, 2026-11-23, `python memory.py account --bf16 --recompute 1 --batch 8` (tiny, T=64):
-
-    phase      its predicted peak moment  predicted MiB  measured MiB
-    forward          forward: loss chunk         454.55        454.56
-    backward                backward end         159.85        159.85
-    saved for backward: predicted 27,309,056 bytes, saved-tensor hooks saw 27,309,056
-
 2xH200, torch 2.11.0+cu130, 2026-11-23: peak mem of `torchrun --nproc_per_node=2 train.py --vocab
 50304 --bf16 --compile` against `python memory.py account --seq 1024` with the same flags (--ddp
 for the DDP run):
@@ -51,6 +44,7 @@ NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-23, `python memory.py account
 
 import argparse
 import math
+import os
 import weakref
 
 import torch
@@ -363,6 +357,19 @@ def fail_out_of_memory(cfg, B, T, dtype, device):
          f"this GPU's memory; the model predicts batch {fitting_batch(cfg, T, dtype, device)} fits")
 
 
+def check_host_memory(cfg, B, T, dtype, peak):
+    """On a CPU an allocation too large for the machine is not an error but the kernel's OOM killer:
+    refuse first, from the prediction (a counted step runs after an uncounted one: ~2x the peak)."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux: no way to ask, so no check
+        return
+    if 2 * peak > free:
+        fail(f"batch {B} x seq {T} ({cfg.n_layer} layers, d={cfg.n_embd}) needs about {gib(2 * peak)} GiB of this "
+             f"machine's memory and {gib(free)} GiB are free; the model predicts batch "
+             f"{predict_max_batch(cfg, T, dtype, free / 2)} fits")
+
+
 def config_of(args, model=None, **overrides):
     return make_config(model or args.model, attn=args.attn, vocab_size=args.vocab, fused_ce=not args.unfused,
                        recompute=args.recompute, **overrides)
@@ -403,6 +410,7 @@ def part_account(args, device):
         if cuda:
             peaks = measure_step(cfg, B, T, dt, device, args.compile)
         else:  # no allocator to ask, but live tensors can be counted op by op
+            check_host_memory(cfg, B, T, dt, pred["peak"])
             model = GPT(cfg)
             opt, (x, y) = configure_optimizer(model, lr=1e-4), random_batch(cfg, B, T, "cpu")
             peaks = live_peaks(model, opt, x, y, dt)

@@ -777,6 +777,7 @@ def test_memory_bad_input():
             ("checkpoint --rounds 0", "positive"), ("parallel --params -5", "positive"),
             ("snapshot --out a", ".pickle"), ("snapshot --device cpu", "needs a CUDA GPU"),
             ("account --attn cudnn --device cpu", "needs a CUDA GPU"),
+            ("account --batch 100000 --device cpu", "of this machine's memory"),  # refused, not OOM-killed
             (["snapshot", "--out", theirs], "not a file this script wrote"),
             (["snapshot", "--out", os.path.join(d, "missing", "s.pickle")], "does not exist")]])
 
