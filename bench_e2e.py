@@ -36,6 +36,8 @@ Excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-23), `
 """
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 from dataclasses import replace
@@ -235,7 +237,85 @@ def plot_ladder(plt, path, names, stats, title):
     print(f"wrote the ladder plot to {path}")
 
 
-# --- 2. the sweep: forward / forward+backward / train step by model, vocab, batch and context
+# --- 2. against nanoGPT: its model.py and train.py's headline, in the same rounds
+# nanoGPT's train.py step at the same settings: bf16 autocast, torch.compile, fused AdamW, clip 1.0.
+# Ours: the ladder's headline rung with the same clip (train.py's default --grad-clip), and the
+# same without the fused loss. Both get the same random tokens; speed does not depend on them.
+
+
+def load_nanogpt(path):
+    """nanoGPT's model.py (a checkout's folder, or the file), imported under its own name."""
+    import importlib.util
+
+    file = os.path.join(path, "model.py") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        fail(f"--nanogpt {path}: no model.py there; give a nanoGPT checkout (git clone of karpathy/nanoGPT)")
+    spec = importlib.util.spec_from_file_location("nanogpt_model", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            spec.loader.exec_module(module)
+        module.GPT, module.GPTConfig  # noqa: B018
+    except Exception as e:
+        fail(f"--nanogpt {file}: not nanoGPT's model.py ({type(e).__name__}: {e})")
+    return module
+
+
+def build_nanogpt(module, config, device):
+    """nanoGPT's GPT at `config`'s sizes, vocab 50304, no bias or dropout, with its own fused AdamW."""
+    torch.manual_seed(0)
+    cfg = module.GPTConfig(block_size=config.block_size, vocab_size=50304, n_layer=config.n_layer,
+                           n_head=config.n_head, n_embd=config.n_embd, dropout=0.0, bias=False)
+    with contextlib.redirect_stdout(sys.stderr):  # it prints its parameter counts
+        model = module.GPT(cfg).to(device)
+        optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device.type)
+    gpu = device.type == "cuda"
+    return {"model": model, "runner": torch.compile(model) if gpu else model, "optimizer": optimizer,
+            "dtype": torch.bfloat16 if gpu else None}
+
+
+def nanogpt_step(bench, x, y):
+    """nanoGPT train.py's step (one micro-step): autocast forward, backward, clip to 1.0, AdamW."""
+    with autocast(x.device, bench["dtype"]):
+        _, loss = bench["runner"](x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(bench["model"].parameters(), 1.0)
+    bench["optimizer"].step()
+    bench["optimizer"].zero_grad(set_to_none=True)
+
+
+def run_nanogpt(path, config, B, T, device, args):
+    module, gpu = args.nanogpt_module, device.type == "cuda"
+    x, y = batch_of(B, T, device)
+    headline = dict(list(rungs())[[n for n, _ in LADDER].index(HEADLINE)][2])
+    if not gpu:  # no compile, no CUDA graphs, fp32: a smoke run
+        headline.update(compile=False, graphs=False, dtype=None)
+    ours = {"ours, plain loss (--no-fused-ce)": {**headline, "fused_ce": False}, "ours, the headline": headline}
+    benches, variants = {}, {}
+
+    def make(name, s=None):
+        bench = benches[name] = build(config, s, device) if s else build_nanogpt(module, config, device)
+        if s is None:
+            return partial(nanogpt_step, bench, x, y)
+        return lambda: train_step(bench["runner"], bench["optimizer"], x, y, bench["dtype"], grad_clip=1.0)
+    for name, s in [("nanoGPT model.py", None), *ours.items()]:
+        variants[name] = lazily(partial(make, name, s), device, note=f"  {name}: " + ("compiling..." if gpu else "first step"))
+    print(f"timing nanoGPT's model.py and ours together: {args.warmup} warm-up steps each, then "
+          f"{args.rounds} rounds of {args.steps} steps", file=sys.stderr, flush=True)
+    times, peaks = timed(variants, device, args)
+    stats, base = summarize(times, peaks=peaks), "nanoGPT model.py"
+    rows = [[name, "OOM" if t is None else t.ms(), "-" if t is None else f"{B * T / t.median * 1e3:,.0f}",
+             "-" if name == base else speedup(times, name, base), "n/a" if t is None or t.peak is None else gib(t.peak)]
+            for name, t in stats.items()]
+    print(f"\nnanoGPT ({os.path.abspath(path)}) against train.py's headline: {config.n_layer} layers, B={B} T={T}, "
+          f"vocab 50304, {'bf16, compiled, fused AdamW' if gpu else 'fp32, eager (CPU smoke run)'}, clip 1.0; "
+          f"{args.rounds} rounds of {args.steps} steps")
+    print_table(["variant", "ms/step, median (min-max)", "tokens/s", "tokens/s vs nanoGPT (paired)",
+                 "peak alloc (GiB)"], rows)
+    return f"nanogpt: the headline makes {speedup(times, 'ours, the headline', base)} nanoGPT's tokens/s"
+
+
+# --- 3. the sweep: forward / forward+backward / train step by model, vocab, batch and context
 MODES = ("forward", "forward-backward", "train")
 
 
@@ -509,7 +589,7 @@ def check_args(args, device):
     before any model is built. Returns [(name, config)] and matplotlib's pyplot (or None)."""
     cpu = device.type != "cuda"
     if args.model is None:
-        args.model = "tiny" if cpu else "gpt2" if args.ladder else "small"
+        args.model = "tiny" if cpu else "gpt2" if args.ladder or args.nanogpt else "small"
     try:
         configs = [(name, make_config(name)) for name in (n.strip() for n in args.model.split(","))]
         args.dtype = amp_dtype(args.bf16, args.fp16)
@@ -532,16 +612,22 @@ def check_args(args, device):
              "drop those flags")
     if args.plot and not args.ladder:
         fail("--plot draws the ladder; add --ladder")
+    if args.nanogpt and (args.ladder or args.profile or args.trace or args.mode or args.compile or args.bf16
+                         or args.fp16 or args.tf32 or args.vocab or args.attn != "sdpa" or len(configs) > 1
+                         or "," in (args.batch or "") + (args.seq or "")):
+        fail("--nanogpt compares one --model, --batch and --seq at train.py's headline settings; drop the other flags")
+    args.nanogpt_module = load_nanogpt(args.nanogpt) if args.nanogpt else None
     block = min(c.block_size for _, c in configs)
-    args.batch = parse_ints(args.batch or ("2" if cpu else "16" if args.ladder else "8"), "--batch", 1)
-    args.seq = parse_ints(args.seq or str(min(block, 64 if cpu else 1024 if args.ladder else 512)), "--seq", 1, block)
+    headline = args.ladder or args.nanogpt
+    args.batch = parse_ints(args.batch or ("2" if cpu else "16" if headline else "8"), "--batch", 1)
+    args.seq = parse_ints(args.seq or str(min(block, 64 if cpu else 1024 if headline else 512)), "--seq", 1, block)
     args.vocab = parse_ints(args.vocab or "50257", "--vocab", 50257, 1 << 20)
     args.modes = MODES if args.mode in (None, "all") else (args.mode,)
     for flag, value, low in (("--rounds", args.rounds, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 1)):
         if value is not None and value < low:
             fail(f"{flag} must be at least {low}, got {value}" + (" (the first step builds and compiles)"
                                                                    if flag == "--warmup" else ""))
-    args.rounds = args.rounds or (3 if cpu else 20 if args.ladder else 10)
+    args.rounds = args.rounds or (3 if cpu else 30 if args.nanogpt else 20 if args.ladder else 10)
     args.steps = args.steps or (1 if cpu else 2 if args.ladder else 3)
     args.warmup = args.warmup or (1 if cpu else 3)
     return configs, plt
@@ -552,6 +638,8 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ladder", action="store_true", help="the GPT-2 speed ladder, every rung in the same rounds")
     p.add_argument("--plot", help="with --ladder: draw ms per rung into this PNG (needs matplotlib)")
+    p.add_argument("--nanogpt", metavar="PATH", help="time nanoGPT's model.py (a checkout of karpathy/nanoGPT) "
+                   "against train.py's headline, in the same rounds (default 30 rounds of 3 steps)")
     p.add_argument("--model", help=f"comma list of {', '.join(PRESETS)} (default small; ladder gpt2; CPU tiny)")
     p.add_argument("--batch", help="comma list (default 8; ladder 16; CPU 2)")
     p.add_argument("--seq", help="comma list of context lengths (default 512; ladder 1024; CPU 64)")
@@ -585,6 +673,10 @@ def main(argv=None):
               f"{'unknown (MFU n/a)' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
     what = "the ladder"
     try:
+        if args.nanogpt:
+            what = "the nanoGPT comparison"
+            print("\n" + run_nanogpt(args.nanogpt, configs[0][1], args.batch[0], args.seq[0], device, args))
+            return
         if args.ladder:
             print("\n" + run_ladder(configs[0][1], args.batch[0], args.seq[0], device, args, plt))
             return

@@ -50,10 +50,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from gpt import (GPT, Timing, autocast, clock, configure_optimizer, elapsed_ms, fail, free_memory,
+from gpt import (GPT, Timing, autocast, clock, configure_optimizer, elapsed_ms, fail, free_memory, fully_shard_gpt,
                  gib, is_oom, make_config, plot_to, print_table, round_up, set_tf32, summarize, synchronize,
                  time_rounds)
 
@@ -518,7 +516,7 @@ def selftest_worker(rank, world, device, args):
     more sync, fp32 gradients shaped like the shards, the replicated ones the same bits on every
     rank; for ZeRO, the optimizer state split between the ranks."""
     rows = []
-    for name, (wrapper, kind, tol) in TOY_VARIANTS.items():
+    for name, (wrapper, kind, tol) in args.toy_variants.items():
         torch.manual_seed(100 + rank)  # different weights on every rank until the wrapper syncs them
         wrapped = wrapper(ToyModel().to(device))
         initial, optimizer = toy_state(wrapped), toy_optimizer(wrapped.module, kind)
@@ -616,22 +614,6 @@ RESIDENT = {"local": (3, 0), "torch": (4, 0), "naive": (3, 0), "flat": (4, 0), "
 VARIANTS = [k + d for k in LABELS for d in ("", ":fp32", ":bf16")[:3 if k in ("torch", "bucket", "sharded", "zero2", "fsdp") else 2]]
 
 
-def fully_shard_gpt(model):
-    """PyTorch's FSDP2 configured as its documentation recommends: fully_shard per block, then the
-    root; bf16 parameters, fp32 gradient reduction; the root (and the last block, the first one
-    backward needs) kept gathered after forward; explicit prefetching of the next block in forward
-    and of the previous one in backward."""
-    kw = {"mesh": init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),)),
-          "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    blocks = list(model.h)
-    for i, block in enumerate(blocks):
-        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
-    fully_shard(model, reshard_after_forward=False, **kw)
-    for i, block in enumerate(blocks):
-        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
-        block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0):i])
-
-
 def make_step(key, bf16, args, rank, device):
     """One training step of GPT under one variant, in four phases: forward, backward, waiting for
     the gradients' communication, optimizer step."""
@@ -649,7 +631,7 @@ def make_step(key, bf16, args, rank, device):
     elif key in ("bucket", "sharded", "zero2"):
         wrapped = BucketDDP(model, args.bucket_mb, dtype, shard=key == "zero2")
     elif key == "fsdp2":
-        fully_shard_gpt(model)
+        fully_shard_gpt(model, torch.bfloat16)
     optimizer = configure_optimizer(model, lr=3e-4)
     if key in ("sharded", "zero2"):  # the same AdamW (groups, betas), its state sharded
         groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
@@ -807,14 +789,16 @@ def run_rank(rank, world, backend, worker, args, tmp):
 
 
 def launch(worker, world, backend, args):
-    """worker(rank, world, device, args) on every rank; rank 0's result. The ranks are forked on the
-    CPU (they inherit the imported torch) and spawned on GPUs (CUDA does not survive a fork); they
-    meet in a file store, and rank 0 hands its result back in a file beside it."""
+    """worker(rank, world, device, args) on every rank; rank 0's result. The ranks are forked on a
+    machine without CUDA (they inherit the imported torch: fast) and spawned where CUDA exists, even
+    for gloo ranks: once this process has asked the driver anything (is_available does), a forked
+    child's first CUDA call fails, and torch's optimizers make one in every step. They meet in a
+    file store, and rank 0 hands its result back in a file beside it."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # no line per rank stopped
     with tempfile.TemporaryDirectory() as tmp:
         try:
             mp.start_processes(run_rank, args=(world, backend, worker, args, tmp), nprocs=world,
-                               start_method="spawn" if backend == "nccl" else "fork")
+                               start_method="spawn" if backend == "nccl" or torch.cuda.is_available() else "fork")
         except mp.ProcessRaisedException as e:  # a bug: its traceback
             print(f"error: rank {e.error_index} failed:\n{e}", file=sys.stderr)
             sys.exit(1)
@@ -884,6 +868,7 @@ def main(argv=None):
             fail(f"--world {world}: the selftest's batch of 8 sequences splits evenly over 1, 2, 4 or 8 ranks")
         check_launch(world, args.backend, 0, "the selftest")
         print(f"selftest: every wrapper on {world} ranks ({args.backend}) vs one process on the whole batch, {args.steps} steps")
+        args.toy_variants = dict(TOY_VARIANTS)  # they travel with args: a spawned rank imports ddp afresh
         rows = launch(selftest_worker, world, args.backend, args)
         print_table(["variant", "max |w - reference| on any rank", "tolerance", "result"], rows)
         failed = [r[0] for r in rows if r[-1] != "ok"]

@@ -53,6 +53,14 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+if INTERPRETED:  # triton <= 3.6's interpreter takes int() of a 1-element array for a loop bound,
+    from triton.runtime import interpreter  # which numpy refuses: range(0, n, BLOCK) fails. As 3.9 does:
+
+    def _patch_lang_tensor(tensor, scope, original=interpreter._patch_lang_tensor):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): exp2 is the native instruction

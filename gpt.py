@@ -447,16 +447,58 @@ def compile_model(model, cuda_graphs=False):
     return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
 
 
-def train_step(model, optimizer, x, y, dtype=None, scaler=None):
+def fully_shard_gpt(model, param_dtype=None):
+    """PyTorch's FSDP2: fully_shard per block, then the root (embeddings, final LayerNorm, the tied
+    output layer). Each block's parameters become DTensors split across the ranks; its forward
+    all-gathers them and frees the gathered copy after (again in backward), and its gradients are
+    reduce-scattered to shards, in fp32, as backward leaves it: only a block or two are ever whole,
+    and block i+1's all-gather overlaps block i's compute. param_dtype=bf16 gathers and computes in
+    bf16 (half the bytes to move) while the shards the optimizer updates stay fp32. The mesh is
+    on the parameters' device type: without one, FSDP2 picks CUDA whenever the machine has it."""
+    from torch.distributed import get_world_size
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(next(model.parameters()).device.type, (get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def clip_gradients(model, optimizer, max_norm):
+    """Global gradient norm; gradients scaled down to max_norm if above it (max_norm 0: never).
+    A fused optimizer clips inside its own kernel: it divides each gradient by
+    `optimizer.grad_scale` as it reads it (the hook GradScaler uses to unscale), which saves a
+    read and a write of every gradient, 1 GB per step at 124M parameters. Under FSDP the
+    gradients are DTensor shards: get_total_norm sums the squares across the ranks itself and
+    returns a replicated DTensor, made a plain tensor here for the optimizer."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if max_norm and optimizer.defaults["fused"]:
+        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # as clip_grad_norm_
+    elif max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes the parameters, not grads
+    return norm
+
+
+def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0):
     """One plain optimizer step: forward under autocast, backward (through the GradScaler for
-    fp16), step, gradients dropped. Returns the loss as a GPU tensor; nothing here waits."""
+    fp16), gradients clipped to grad_clip (0: not), step, gradients dropped. Returns the loss as a
+    GPU tensor; nothing here waits."""
     with autocast(x.device, dtype):
         _, loss = model(x, y)
     if scaler is None:
         loss.backward()
-        optimizer.step()
     else:
         scaler.scale(loss).backward()  # fp16: scale so small gradients survive
+        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    if grad_clip:
+        clip_gradients(model, optimizer, grad_clip)
+    if scaler is None:
+        optimizer.step()
+    else:
         scaler.step(optimizer)
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -581,8 +623,8 @@ class Timing:
 
 def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progress=None):
     """{name: [ms per step in each round]} for variants {name: fn}, fn() queueing one step.
-    Each variant is warmed up first (compilation, autotuning, allocator growth) with its peak
-    memory recorded; a variant that runs out of memory there gets None instead of times. Then in
+    Each variant is warmed up first (compilation, autotuning, allocator growth) and the peak memory
+    of its last warm-up step recorded (from 2 warm-up steps on, a settled step); a variant that runs out of memory there gets None instead of times. Then in
     each round every variant runs `steps` steps between two events, the order rotating by one
     each round, with one synchronize per round: the host queues ahead as in real training.
     `sync` replaces the synchronize (ddp.py: all ranks); `progress(round)` is called per round."""
@@ -591,10 +633,10 @@ def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progr
     for name in names:
         times[name] = None
         try:
-            if cuda:
-                synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            for _ in range(warmup):
+            for i in range(warmup):
+                if cuda and i == warmup - 1:  # the peak of a settled step: compiled, AdamW's state made
+                    synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
                 variants[name]()
             synchronize(device)
             peaks[name] = torch.cuda.max_memory_allocated(device) if cuda else None

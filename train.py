@@ -48,27 +48,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpt import (FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autocast, check_output_path, clock, compile_model,
-                 configure_optimizer, elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported, gib, gpt2_tokenizer,
+from gpt import (FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autocast, check_output_path, clip_gradients, clock,
+                 compile_model,
+                 configure_optimizer, elapsed_ms, fail, flops_per_token, fully_shard_gpt, fmt_mfu, fp8_supported, gib, gpt2_tokenizer,
                  is_oom, load_tokens, make_config, mfu, print_table, resolve_device, set_tf32, use_fp8)
 
 # --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
-
-
-def shard(model, bf16):
-    """FSDP2: each block's parameters become DTensors split across the ranks (1/world of every
-    tensor each). A block's forward all-gathers its weights and frees the gathered copy after it
-    (again in backward), and its gradients are reduce-scattered to shards as backward leaves it:
-    only a block or two are ever whole, and block i+1's all-gather overlaps block i's compute. The
-    last call takes the rest (embeddings, final LayerNorm, tied output layer). With --bf16 the
-    gathered copies are bf16 (half the bytes to move) while the shards the optimizer updates stay
-    fp32 and gradients are summed in fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    for block in model.h:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
 
 
 def wrap(model, args, world, device):
@@ -114,23 +99,6 @@ def train_step(model, optimizer, scaler, batches, lr, dtype, args, world, vote):
     stats = torch.stack([loss_sum, torch.full((), float(vote), device=device)])
     dist.all_reduce(stats)
     return stats[0] / world, norm, stats[1]
-
-
-def clip_gradients(model, optimizer, max_norm):
-    """Global gradient norm; gradients scaled down to max_norm if above it (max_norm 0: never).
-    A fused optimizer clips inside its own kernel: it divides each gradient by
-    `optimizer.grad_scale` as it reads it (the hook GradScaler uses to unscale), which saves a
-    read and a write of every gradient, 1 GB per step at 124M parameters. Under FSDP the
-    gradients are DTensor shards: get_total_norm sums the squares across the ranks itself and
-    returns a replicated DTensor, made a plain tensor here for the optimizer."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    if max_norm and optimizer.defaults["fused"]:
-        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # as clip_grad_norm_
-    elif max_norm:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes the parameters, not grads
-    return norm
 
 
 # --- 3. the loop: a line per step without waiting, and a clean stop on Ctrl-C / SIGTERM
@@ -233,7 +201,7 @@ def train(args, config, data, state, rank, world, device):
         if rank == 0:
             print_fp8_table(plan, args, config)
     if args.fsdp:
-        shard(raw_model, args.bf16)  # in place: raw_model is now the sharded model
+        fully_shard_gpt(raw_model, torch.bfloat16 if args.bf16 else None)  # in place: now sharded
     optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=args.fp16)  # fp16 gradients underflow without it
     step, pos = 0, 0
