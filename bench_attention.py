@@ -43,7 +43,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from gpt import (SDPA_BACKENDS, compare, fail, free_memory, gib, is_oom, plot_to, print_table, resolve_device,
+from gpt import (SDPA_BACKENDS, compare, fail, free_memory, gib, is_oom, plot_to, print_table, resolve_device, run_main,
                  synchronize, time_rounds)
 
 IMPLS = ("naive", "compiled", *SDPA_BACKENDS, "triton")
@@ -559,4 +559,4 @@ def suite_summary(dtype_name, results):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # Ctrl-C / SIGTERM: one line, exit 130 / 143

@@ -48,8 +48,8 @@ import torch
 
 from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPU_ONLY_ATTENTION, PRESETS, amp_dtype, autocast, check_output_path,
                  compile_model, configure_optimizer, fail, flops_per_token, fmt_mfu, fp8_supported, free_memory, gib,
-                 gpu_peak_flops, is_oom, make_config, mfu, plot_to, print_table, resolve_device, set_tf32, summarize,
-                 time_rounds, train_step, use_fp8)
+                 gpu_peak_flops, is_oom, make_config, mfu, plot_to, print_table, resolve_device, run_main, set_tf32,
+                 summarize, time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
 LADDER = (("fp32, naive attention, vocab 50257", {}),
@@ -704,4 +704,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # Ctrl-C / SIGTERM: one line, exit 130 / 143

@@ -624,8 +624,12 @@ def parse_args(argv):
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     if args.plot:  # before any work: a GPU, a path this script can write, matplotlib (optional, imported only here)
         folder = os.path.dirname(os.path.abspath(args.plot))
-        if INTERPRETED or os.path.isdir(args.plot) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise ValueError(f"--plot {args.plot}: the plot needs a CUDA GPU and a PNG path this script can write")
+        if INTERPRETED:
+            raise ValueError("--plot draws the GPU benchmark, and this machine has no CUDA GPU (nothing is timed)")
+        if os.path.isdir(args.plot):
+            raise ValueError(f"--plot {args.plot} is a directory, not a PNG file name")
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--plot {args.plot}: the folder {folder} does not exist or is not writable")
         try:
             import matplotlib  # noqa: F401
         except ModuleNotFoundError:
@@ -655,4 +659,15 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    import signal
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(signum)
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        main()
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line, exit 130 / 143
+        signum = e.args[0] if e.args else signal.SIGINT
+        print(f"\ninterrupted ({signal.Signals(signum).name}): the tables above are complete, the rest did not run",
+              file=sys.stderr)
+        raise SystemExit(128 + signum) from None

@@ -623,20 +623,21 @@ class Timing:
 
 def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progress=None):
     """{name: [ms per step in each round]} for variants {name: fn}, fn() queueing one step.
-    Each variant is warmed up first (compilation, autotuning, allocator growth) and the peak memory
-    of its last warm-up step recorded (from 2 warm-up steps on, a settled step); a variant that runs out of memory there gets None instead of times. Then in
+    Each variant is warmed up first (compilation, autotuning, allocator growth, CUDA graph
+    capture, whose pool counts as allocated only then) with its peak memory recorded; a variant that runs out of memory there gets None instead of times. Then in
     each round every variant runs `steps` steps between two events, the order rotating by one
     each round, with one synchronize per round: the host queues ahead as in real training.
     `sync` replaces the synchronize (ddp.py: all ranks); `progress(round)` is called per round."""
     cuda = torch.device(device).type == "cuda"
     names, times, peaks = list(variants), {}, {}
-    for name in names:
+    for i, name in enumerate(names):
         times[name] = None
+        PROGRESS["doing"] = f"warming up variant {i + 1} of {len(names)} ({name})"
         try:
-            for i in range(warmup):
-                if cuda and i == warmup - 1:  # the peak of a settled step: compiled, AdamW's state made
-                    synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
+            if cuda:
+                synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            for _ in range(warmup):
                 variants[name]()
             synchronize(device)
             peaks[name] = torch.cuda.max_memory_allocated(device) if cuda else None
@@ -658,6 +659,7 @@ def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progr
         (sync or (lambda: synchronize(device)))()
         for name, start, end in marks:
             times[name].append(elapsed_ms(start, end) / steps)
+        PROGRESS["doing"] = f"timing: {r + 1} of {rounds} rounds done"
         if progress:
             progress(r)
     return times, peaks
@@ -754,10 +756,61 @@ def check_output_path(path, flag, ours=None):
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    if os.path.exists(path) and not os.access(path, os.W_OK):
         raise ValueError(f"{flag} {path} is not writable")
     if ours is not None and os.path.exists(path) and not ours(path):
         raise ValueError(f"{flag} {path} exists and is not a file this script wrote; refusing to overwrite it")
+    probe = f"{path}.probe{os.getpid()}"  # permissions can pass where a write fails (/proc, a read-only mount)
+    try:
+        open(probe, "wb").close()
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path} cannot be written there: {e.strerror or e}") from None
+
+
+def step_bytes(config, B, T, half=False):
+    """About what a training step holds at its peak, for a check before allocating: weights, gradients
+    and AdamW's two moments (16 bytes a parameter) and the activations kept for backward, per layer
+    ~(34 d + 5 H T) bytes a token in 16-bit (Korthikanti et al., 2022), twice that in fp32, plus
+    one chunk of fp32 logits (all of them without the fused loss). memory.py has the exact model."""
+    with torch.device("meta"):
+        params = GPT(config).num_params()
+    tokens = B * T
+    acts = config.n_layer * tokens * (34 * config.n_embd + 5 * config.n_head * T) * (1 if half else 2)
+    logits = (min(tokens, CE_CHUNK_ROWS) if config.fused_ce else 2 * tokens) * config.vocab_size * 4
+    return 16 * params + acts + logits
+
+
+def check_host_memory(nbytes, what, hint):
+    """On a CPU an allocation too large for the machine is not an error but the kernel's OOM killer
+    (exit 137, no word): refuse first, in one line with both numbers, before allocating."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux: no way to ask, so no check
+        return
+    if nbytes > free:
+        fail(f"{what} needs about {gib(nbytes)} GiB of this machine's memory and {gib(free)} GiB are free; {hint}")
+
+
+# Ctrl-C and SIGTERM: every script stops with one line and exit 130 / 143, never a traceback. What
+# had finished: the tables printed so far (print_table counts them) and the timer's last note.
+PROGRESS = {"tables": 0, "doing": "starting"}
+
+
+def run_main(main):
+    """main(), stopped cleanly by Ctrl-C (SIGINT, exit 130) or SIGTERM (exit 143)."""
+    import signal
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(signum)
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        main()
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args else signal.SIGINT
+        print(f"\ninterrupted ({signal.Signals(signum).name}) while {PROGRESS['doing']}: {PROGRESS['tables']} "
+              "table(s) above are complete, the rest did not run", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
 
 
 def is_oom(error):
@@ -788,6 +841,7 @@ def print_table(headers, rows):
                         for i, (c, w) in enumerate(zip(row, widths))).rstrip())
         if n == 0:
             print("  ".join("-" * w for w in widths))
+    PROGRESS["tables"] += 1
 
 
 def plot_to(path):

@@ -54,7 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gpt import (CE_CHUNK_ROWS, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, amp_dtype, autocast, check_output_path, compare,
                  compile_model, configure_optimizer, fail, free_memory, gib, is_oom, linear_cross_entropy, make_config,
-                 print_table, resolve_device, synchronize)
+                 print_table, resolve_device, run_main, synchronize)
 
 PARTS = ("account", "checkpoint", "parallel", "snapshot")
 SWEEP_MODELS = ("gpt2", "medium", "large", "xl")  # "small" has gpt2's shape
@@ -644,4 +644,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # Ctrl-C / SIGTERM: one line, exit 130 / 143

@@ -37,9 +37,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt import (E4M3, E5M2, FP8_LAYERS, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, Fp8Linear, autocast, compare, compile_model,
+from gpt import (E4M3, E5M2, FP8_LAYERS, FP8_MIN_WIDTH, Fp8Linear, GPT, GPT2_VOCAB, autocast, compare, compile_model,
                  configure_optimizer, fail, fp8_mm, fp8_supported, free_memory, gib, is_oom, load_tokens, make_config,
-                 print_table, resolve_device, round_up, set_tf32, summarize, synchronize, time_rounds, to_fp8,
+                 print_table, resolve_device, round_up, run_main, set_tf32, summarize, synchronize, time_rounds, to_fp8,
                  train_step, use_fp8)
 
 SECTIONS = ("formats", "accumulate", "autocast", "layernorm", "tf32", "gradscaler", "mixed", "fp8")
@@ -609,4 +609,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)  # Ctrl-C / SIGTERM: one line, exit 130 / 143

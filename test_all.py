@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -376,6 +377,32 @@ def test_train_interrupts_resume_exactly_across_layouts():
         torch.testing.assert_close(ddp + fsdp + last, ref, **LAYOUT)
 
 
+def test_every_script_stops_cleanly_on_signals():
+    """Ctrl-C (SIGINT) or SIGTERM mid-run: exit 130 / 143, one last line that says so, no traceback; ddp.py's
+    ranks end with their parent."""
+    cpu = ["--device", "cpu"]
+    for script, args, after, signum in [
+            ("bench_e2e.py", [*cpu, "--ladder", "--batch", 1, "--seq", 16, "--rounds", 10**6], "round", signal.SIGINT),
+            ("bench_attention.py", [*cpu, "--rounds", 10**6], "fp32 matmuls", signal.SIGTERM),
+            ("precision.py", cpu, "== 1.", signal.SIGINT),
+            ("memory.py", ["checkpoint", *cpu, "--rounds", 10**6], "round", signal.SIGTERM),
+            ("ddp.py", ["selftest", "--backend", "gloo", "--steps", 10**6], "selftest:", signal.SIGTERM)]:
+        proc = subprocess.Popen([sys.executable, script, *map(str, args)], cwd=HERE, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        watchdog = threading.Timer(90, proc.kill)  # a marker that never comes fails the test instead of hanging it
+        watchdog.start()
+        head = next((line for line in iter(proc.stdout.readline, "") if after in line), None)
+        time.sleep(1)  # under way (ddp.py: the ranks started)
+        ranks = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+        proc.send_signal(signum)
+        out = proc.communicate(timeout=60)[0]
+        watchdog.cancel()
+        last = out.strip().splitlines()[-1] if out.strip() else ""
+        assert head and proc.returncode == 128 + signum and last.startswith("interrupted (") and "Traceback" not in out, \
+            (script, proc.returncode, out[-2000:])
+        assert script != "ddp.py" or (ranks and not any(os.path.exists(f"/proc/{pid}") for pid in ranks)), ranks
+
+
 def test_fused_clipping_matches_clip_grad_norm():
     """train.clip_gradients, fused AdamW (the clip inside its kernel) and plain, steps as clip_grad_norm_ does."""
     import train
@@ -420,6 +447,10 @@ def test_train_bad_input_and_checkpoints():
             f"{one} --steps 3 {R}/ok.pt": "made with --steps 2, not 3", f"{one} {R}/model.pt": "made with --model gpt2",
             f"{one} {R}/shape.pt": "wpe.weight is (3, 3) there", f"{R}/random.pt": "torch.load cannot read it",
             f"{R}/empty.pt": "empty file", f"{R}/bare.pt": "weights alone", f"{R}/tensor.pt": "bare tensor",
+            f"{one} --ckpt {tmp}/ok.pt": "already holds a checkpoint: continue it with --resume", "--resume": "needs --ckpt",
+            f"{R}/ok.pt --overwrite": "exclusive", f"--data {tmp}": "is a directory", "--lr nan": "--lr must be a finite",
+            "--min-lr inf": "finite", "--ckpt /proc/x.pt": "cannot be written", "--device cpu --model 2.7B --vocab 16777216 --batch 1 --seq 64":
+            "of this machine's memory", f"{one} --stop-after 1 {R}/ok.pt --steps 2": "(a step of the run, not a count)",
             **{f"--{f} {v}": f"--{f} must be positive" for f in ("batch", "stop-after", "recompute") for v in (0, -1)},
             **{f"--{f} -1": f"--{f} cannot be negative" for f in ("warmup", "grad-clip", "weight-decay", "sample", "fp8")},
             **({} if HAS_CUDA else {"--fp16": "needs a CUDA GPU", "--device cuda": "no CUDA GPU", "--fp8 0 --bf16": "FP8 tensor"})}
@@ -430,9 +461,13 @@ def test_train_bad_input_and_checkpoints():
             open(path, "wb").write(b"partial")
             raise OSError(28, "No space left on device")
         with unittest.mock.patch.object(torch, "save", full_disk):
-            code, _, err = call_main("train.py", *one.split(), "--ckpt", f"{tmp}/ok.pt", "--stop-after", 1)
+            code, _, err = call_main("train.py", *one.split(), "--ckpt", f"{tmp}/ok.pt", "--stop-after", 1, "--overwrite")
         assert code == 2 and "could not write the checkpoint" in err and "No space left" in err, err
         assert not os.path.exists(f"{tmp}/ok.pt.tmp") and torch.load(f"{tmp}/ok.pt", weights_only=True)["step"] == 1
+        before = open(f"{tmp}/ok.pt", "rb").read()  # a run without --resume leaves it alone, byte for byte
+        assert call_main("train.py", *one.split(), "--ckpt", f"{tmp}/ok.pt")[0] == 2 and open(f"{tmp}/ok.pt", "rb").read() == before
+        losses, out = train_main(*one.split(), "--ckpt", f"{tmp}/ok.pt", "--resume", "--bf16")  # precision changed: said
+        assert "was trained in fp32; this run continues in bf16" in out and len(losses) == 1, out
 
 
 @gpu
@@ -705,7 +740,7 @@ def test_bench_e2e_gpu_ladder_peaks_oom():
     gpt.set_tf32(False)
     assert len(losses) == len(bench_e2e.LADDER) - (0 if gpt.fp8_supported(cuda) else 1), losses
     assert all(abs(v - losses[0]) < 0.02 * losses[0] for v in losses), losses
-    # 4M tokens' activations cannot fit: OOM cells. Two warm-up steps: the peak is a settled step's
+    # 4M tokens' activations cannot fit: OOM cells. Two warm-up steps: the second has AdamW's state
     times, stats = _sweep(cuda, batch=[4, 8, 16384], seq=[256], warmup=2)
     peak = {(b, m): stats[(50257, b, 256, m)].peak for b in (4, 8) for m in bench_e2e.MODES}
     for b in (4, 8):  # every cell counts the weights and AdamW's state; with the fused loss the tiny model's
@@ -861,17 +896,20 @@ def kill_rank_one(rank, *_):
 
 
 def test_ddp_selftest_matches_one_process():
-    """On 4 gloo ranks every wrapper ends with the weights of one process on the whole batch, and the
-    selftest catches a wrapper that trains without averaging."""
+    """On 2 and 4 gloo ranks every wrapper ends with the weights of one process on the whole batch (fp32 on 2 ranks:
+    bitwise, torch.equal), and the selftest catches a wrapper that trains without averaging."""
     import ddp
 
     ddp.TOY_VARIANTS["no-sync"] = (NoSyncDDP, "sgd", 2e-6)
     try:
-        code, out, err = call_main("ddp.py", "selftest", "--world", 4, "--backend", "gloo")
+        runs = {world: call_main("ddp.py", "selftest", "--world", world, "--backend", "gloo") for world in (2, 4)}
     finally:
         del ddp.TOY_VARIANTS["no-sync"]
     n = len(ddp.TOY_VARIANTS)
-    assert code == 1 and f"{n} of {n + 1} variants match one-process training; FAILED: no-sync" in out, out + err
+    for world, (code, out, err) in runs.items():
+        assert code == 1 and f"{n} of {n + 1} variants match one-process training; FAILED: no-sync" in out, out + err
+    rows = {line.split()[0]: line.split()[1:] for line in runs[2][1].splitlines() if line.split()[:1] in (["fsdp"], ["bucket"])}
+    assert rows["fsdp"] == ["0.0e+00", "bitwise", "ok"] and rows["bucket"][1:] == ["bitwise", "ok"], runs[2][1]
 
 
 def test_ddp_benchmark_and_allreduce_cpu_smoke():
@@ -1079,6 +1117,9 @@ def main(argv=None):
     passed = failed = skipped = 0
     start_all = time.time()
     on_gpu = [n for n, f in tests if getattr(f, "needs_cuda", False)] if HAS_CUDA else []
+    if on_gpu:  # four processes at once: each with every core's worth of spinning threads would take turns for minutes
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 4) // 4))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     pool = ThreadPoolExecutor(3)  # the CUDA tests, three at a time, while the others run here
     isolated = [pool.submit(run_isolated, name) for name in on_gpu]
     for name, test in tests:

@@ -48,10 +48,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpt import (FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autocast, check_output_path, clip_gradients, clock,
-                 compile_model,
-                 configure_optimizer, elapsed_ms, fail, flops_per_token, fully_shard_gpt, fmt_mfu, fp8_supported, gib, gpt2_tokenizer,
-                 is_oom, load_tokens, make_config, mfu, print_table, resolve_device, set_tf32, use_fp8)
+from gpt import (FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autocast, check_host_memory, check_output_path,
+                 clip_gradients, clock, compile_model, configure_optimizer, elapsed_ms, fail, flops_per_token,
+                 fmt_mfu, fp8_supported, fully_shard_gpt, gib, gpt2_tokenizer, is_oom, load_tokens, make_config, mfu,
+                 print_table, resolve_device, set_tf32, step_bytes, use_fp8)
 
 # --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
 
@@ -319,6 +319,12 @@ def lr_at(step, args):
 KIND = "nanoperf train.py checkpoint, format 2"
 
 
+def precision_of(args):
+    """The flags that set the arithmetic: a resumed run may change them, and is told so."""
+    return " + ".join(["bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"] + ["tf32"] * bool(args.tf32)
+                      + ([f"fp8 (min width {args.fp8})"] if args.fp8 is not None else []))
+
+
 def run_fields(args, world):
     """What must match for a resumed run to continue the same run (the data order and schedule)."""
     return {"model": args.model, "vocab": args.vocab, "seq": args.seq, "grad_accum": args.grad_accum,
@@ -331,14 +337,16 @@ def save_checkpoint(path, model, optimizer, scaler, step, pos, args, rank, world
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all, the others {}
     state = {"kind": KIND, "model": get_model_state_dict(model, options=options),
              "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
-             "scaler": scaler.state_dict(), "step": step, "pos": pos, "run": run_fields(args, world)}
+             "scaler": scaler.state_dict(), "step": step, "pos": pos, "run": run_fields(args, world),
+             "precision": precision_of(args)}
     if rank != 0:
         return
     try:
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)  # a crash mid-write leaves the previous checkpoint intact
-    except OSError as e:
-        raise ValueError(f"could not write the checkpoint {path}: {e.strerror or e}") from None
+    except (OSError, RuntimeError) as e:  # torch.save reports a file it cannot open as a RuntimeError
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1]
+        raise ValueError(f"could not write the checkpoint {path} ({reason}); the previous one is intact") from None
     finally:
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
@@ -436,7 +444,8 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, help="sequences per micro-step per GPU (default 16; 8 on CPU)")
     p.add_argument("--seq", type=int, help="context length (default 1024; 64 on CPU)")
     p.add_argument("--steps", type=int, help="optimizer steps, the span of the schedule (default 200; 50 on CPU)")
-    p.add_argument("--stop-after", type=int, help="stop after this many steps, as if interrupted")
+    p.add_argument("--stop-after", type=int, metavar="STEP", help="stop when the run reaches this step (counted from "
+                   "the run's start, also after --resume), as if interrupted")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
@@ -449,6 +458,7 @@ def parse_args(argv):
     p.add_argument("--data", help="training text (default: input.txt next to gpt.py); the last 10%% is validation")
     p.add_argument("--ckpt", help="checkpoint path, written at every evaluation, at the end and on Ctrl-C")
     p.add_argument("--resume", action="store_true", help="continue from --ckpt")
+    p.add_argument("--overwrite", action="store_true", help="start over, replacing the checkpoint at --ckpt")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if present)")
     p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args(argv)
@@ -459,8 +469,10 @@ def parse_args(argv):
 def check_flags(args):
     """Value ranges, before anything starts (ValueError)."""
     positive = ("batch", "seq", "steps", "grad_accum", "eval_every", "eval_steps", "stop_after", "recompute", "lr")
-    for flag in positive + ("warmup", "weight_decay", "grad_clip", "sample", "fp8"):
+    for flag in positive + ("warmup", "weight_decay", "grad_clip", "sample", "fp8", "min_lr"):
         value, name = getattr(args, flag), "--" + flag.replace("_", "-")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
         if value is not None and (value <= 0 if flag in positive else value < 0):
             raise ValueError(f"{name} {'must be positive' if flag in positive else 'cannot be negative'}, got {value}")
     args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
@@ -469,10 +481,17 @@ def check_flags(args):
     amp_dtype(args.bf16, args.fp16)  # raises if both
     if args.fsdp and args.fp16:
         raise ValueError("--fsdp runs in bf16 or fp32 here; fp16 would need a sharded GradScaler")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume and --overwrite are exclusive: continue the checkpoint, or start over")
+    if args.resume and args.ckpt is None:
+        raise ValueError("--resume needs --ckpt PATH, the checkpoint to continue")
     if args.ckpt is not None:  # never write over a file that is not one of our checkpoints
         check_output_path(args.ckpt, "--ckpt", ours=None if args.resume else is_checkpoint)
-    if args.resume and not (args.ckpt and os.path.isfile(args.ckpt)):
-        raise ValueError(f"--resume needs an existing --ckpt file, and '{args.ckpt}' is not one")
+    if args.resume and not os.path.isfile(args.ckpt):
+        raise ValueError(f"--resume needs an existing --ckpt file, and '{args.ckpt}' does not exist")
+    if args.ckpt and os.path.isfile(args.ckpt) and not (args.resume or args.overwrite):  # nor over a run of ours
+        raise ValueError(f"--ckpt {args.ckpt} already holds a checkpoint: continue it with --resume, or start over "
+                         "with --overwrite or another --ckpt")
 
 
 def check_run(args, world, device):
@@ -498,6 +517,8 @@ def check_run(args, world, device):
     if args.fp8 is not None and not args.bf16:
         raise ValueError("--fp8 needs --bf16: the layers around the FP8 matmuls run in bf16")
 
+    if args.data and os.path.isdir(args.data):
+        raise ValueError(f"--data {args.data} is a directory; give the text file itself")
     tokens = load_tokens(args.data) if args.data else load_tokens()
     train_tokens, val = tokens[: int(0.9 * len(tokens))], tokens[int(0.9 * len(tokens)) :]  # the last 10%: validation
     window = args.batch * args.seq * world  # tokens one micro-step reads across the ranks
@@ -509,12 +530,17 @@ def check_run(args, world, device):
         raise ValueError(f"the validation split holds {len(val):,} tokens, fewer than --seq {args.seq} x "
                          f"{world} process(es); lower --seq or use more text")
     eval_plan = (rows, min(args.eval_steps, (len(val) - 1) // (rows * args.seq * world)))
+    if on_cpu:  # the kernel's OOM killer would end the run without a word
+        check_host_memory(step_bytes(config, args.batch, args.seq, half=args.bf16), f"model {args.model} at batch "
+                          f"{args.batch} x seq {args.seq}", "lower --batch or --seq, or use a smaller --model")
 
     state = read_checkpoint(args.ckpt, args, world) if args.resume else None
     args.last = min(args.steps, args.stop_after or args.steps)  # the loop runs up to here
     if state is not None and state["step"] >= args.last:
         raise ValueError(f"{args.ckpt} is at step {state['step']}: nothing left to run with --steps {args.steps}"
-                         + (f" --stop-after {args.stop_after}" if args.stop_after else ""))
+                         + (f" --stop-after {args.stop_after} (a step of the run, not a count)" if args.stop_after else ""))
+    if state is not None and state.get("precision", precision_of(args)) != precision_of(args):
+        args.note = f"note: {args.ckpt} was trained in {state['precision']}; this run continues in {precision_of(args)}"
     return config, (train_tokens, val, eval_plan), state
 
 
@@ -548,7 +574,11 @@ def main(argv=None):
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else "no CUDA"
             note = " -- tiny preset and short context unless you chose sizes" if device.type == "cpu" else ""
             print(f"device: {device} ({name}){note}")
+            if getattr(args, "note", None):
+                print(args.note)
         train(args, config, data, state, rank, world, device)
+        if world > 1:  # every rank past its last collective (and rank 0's save) before the group is torn down:
+            dist.barrier()  # gloo threads still holding work at interpreter exit abort the process
     except (ValueError, FileNotFoundError) as e:  # every rank meets the same one
         raise SystemExit(2) if quiet else fail(str(e))
     except FloatingPointError as e:
