@@ -48,7 +48,7 @@ import torch
 
 from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPU_ONLY_ATTENTION, PRESETS, amp_dtype, autocast, check_output_path,
                  compile_model, configure_optimizer, fail, flops_per_token, fmt_mfu, fp8_supported, free_memory, gib,
-                 gpu_peak_flops, is_oom, make_config, mfu, plot_to, print_table, resolve_device, run_main, set_tf32,
+                 gpu_peak_flops, is_oom, lazily, make_config, mfu, plot_to, print_table, resolve_device, run_main, set_tf32,
                  summarize, time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
@@ -123,29 +123,6 @@ def held_bytes(bench):
         return 0
     state = [t for s in bench["optimizer"].state.values() for t in s.values() if torch.is_tensor(t)]
     return sum(t.numel() * t.element_size() for t in [*bench["model"].parameters(), *state])
-
-
-def lazily(make, device, held=lambda: 0, note=None):
-    """A variant for gpt.time_rounds that makes its model and batch at its first call: inside the
-    timer's warm-up, where an out-of-memory marks this variant OOM and the others go on. It also
-    notes what the other variants held then (max_memory_allocated covers the whole process), so
-    its own peak is the timer's peak minus that."""
-    state = {}
-
-    def variant():
-        if "step" not in state:
-            cuda = device.type == "cuda"
-            state["others"] = torch.cuda.memory_allocated(device) - held() if cuda else 0
-            if note:
-                print(note, file=sys.stderr, flush=True)
-            state["step"] = make()
-        try:
-            state["step"]()
-        except RuntimeError:  # out of memory: the timer gives up on this variant, let its model go
-            state.pop("step")
-            raise
-    variant.state = state
-    return variant
 
 
 def timed(variants, device, args):

@@ -483,17 +483,21 @@ def clip_gradients(model, optimizer, max_norm):
     return norm
 
 
-def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0):
+def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, mark=None):
     """One plain optimizer step: forward under autocast, backward (through the GradScaler for
     fp16), gradients clipped to grad_clip (0: not), step, gradients dropped. Returns the loss as a
-    GPU tensor; nothing here waits."""
+    GPU tensor; nothing here waits. mark(phase), if given, is called after "forward", "backward"
+    and "optimizer" (memory.py reads each phase's peak there)."""
+    mark = mark or (lambda phase: None)
     with autocast(x.device, dtype):
         _, loss = model(x, y)
+    mark("forward")
     if scaler is None:
         loss.backward()
     else:
         scaler.scale(loss).backward()  # fp16: scale so small gradients survive
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    mark("backward")
     if grad_clip:
         clip_gradients(model, optimizer, grad_clip)
     if scaler is None:
@@ -502,6 +506,7 @@ def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0):
         scaler.step(optimizer)
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    mark("optimizer")
     return loss.detach()
 
 
@@ -663,6 +668,29 @@ def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progr
         if progress:
             progress(r)
     return times, peaks
+
+
+def lazily(make, device, held=lambda: 0, note=None):
+    """A variant for gpt.time_rounds that makes its model and batch at its first call: inside the
+    timer's warm-up, where an out-of-memory marks this variant OOM and the others go on. It also
+    notes what the other variants held then (max_memory_allocated covers the whole process), so
+    its own peak is the timer's peak minus that."""
+    state = {}
+
+    def variant():
+        if "step" not in state:
+            cuda = device.type == "cuda"
+            state["others"] = torch.cuda.memory_allocated(device) - held() if cuda else 0
+            if note:
+                print(note, file=sys.stderr, flush=True)
+            state["step"] = make()
+        try:
+            state["step"]()
+        except RuntimeError:  # out of memory: the timer gives up on this variant, let its model go
+            state.pop("step")
+            raise
+    variant.state = state
+    return variant
 
 
 def summarize(times, baseline=None, peaks=None):
