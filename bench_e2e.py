@@ -1,38 +1,16 @@
 """End-to-end timing of GPT training: where a step's time goes and what each optimization buys.
 
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive
-attention to train.py's headline configuration, then FP8 forced onto every block Linear (gpt.use_fp8
-alone picks none at gpt2's width), and times every rung in the same rounds of the one timer
-(A B C, A B C, ...), so the ratios between rungs are paired, not two runs minutes apart. The sweep
-splits a step into forward, backward and optimizer by model size, batch, context and vocabulary
-width, and the profiler names the kernels.
+attention to train.py's headline, then FP8 forced onto every block Linear, all rungs in the same
+rounds of gpt.py's timer, so the ratios between rungs are paired. --nanogpt times nanoGPT's model.py
+against the headline the same way. The sweep splits a step into forward, backward and optimizer by
+model, batch, context and vocabulary; --profile groups the step's kernels and sets each group
+against its own limit on this GPU (FLOPs at the tensor-core peak, bytes at the copy bandwidth).
 
     python bench_e2e.py --ladder --plot ladder.png
+    python bench_e2e.py --nanogpt ../nanoGPT
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
-    python bench_e2e.py --model gpt2 --seq 1024 --bf16 --vocab 50304 --mode train --batch 16,32,64
-    python bench_e2e.py --model small,medium,large --seq 512 --bf16 --compile
-    python bench_e2e.py --model gpt2 --batch 8 --seq 1024 --bf16 --attn naive --profile --trace step.json
-
-Times come from gpt.py's timer: every variant is warmed up, then all run in rounds of --steps
-steps with CUDA events (CPU: wall clock); a cell shows the median over rounds and its min-max,
-a speed-up is the median of per-round ratios. MFU is against the detected GPU's bf16 peak (n/a
-when unknown); peak memory is max_memory_allocated (allocated, not reserved) of the variant's own
-weights, AdamW state and step. Without a GPU everything falls back to tiny sizes and says so.
-
-Excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-23), `python bench_e2e.py --ladder
---rounds 20`, 20 rounds of 2 steps (columns cut):
-
-    rung                                ms/step, median (min-max)  speed-up vs previous  peak alloc (GiB)
-    ----------------------------------  -------------------------  --------------------  ----------------
-    fp32, naive attention, vocab 50257     389.69 (387.32-391.12)                     -             31.84
-    + TF32 matmuls                         183.57 (183.39-184.40)  2.123x (2.101-2.131)             31.78
-    + bf16 autocast                        162.80 (162.65-163.25)  1.128x (1.124-1.133)             29.49
-    + SDPA flash attention                    75.43 (75.28-76.18)  2.158x (2.137-2.165)             15.98
-    + vocab 50304                             49.79 (49.70-50.67)  1.514x (1.489-1.531)             15.98
-    + torch.compile (PDL)                     36.18 (35.80-37.17)  1.379x (1.340-1.399)              9.92
-    + CUDA graphs                             36.55 (36.13-37.07)  0.989x (0.974-1.016)              9.89
-    + fused linear-CE                         36.12 (35.85-36.55)  1.011x (1.002-1.024)              7.73
-    + FP8 block Linears (forced)              39.23 (38.82-39.70)  0.923x (0.906-0.933)              5.88
+    python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --vocab 50304 --bf16 --compile --mode train --profile
 """
 
 import argparse
@@ -47,15 +25,15 @@ from itertools import product
 import torch
 
 from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPU_ONLY_ATTENTION, PRESETS, amp_dtype, autocast, check_output_path,
-                 compile_model, configure_optimizer, fail, flops_per_token, fmt_mfu, fp8_supported, free_memory, gib,
-                 gpu_peak_flops, is_oom, lazily, make_config, mfu, plot_to, print_table, resolve_device, run_main, set_tf32,
-                 summarize, time_rounds, train_step, use_fp8)
+                 clock, compile_model, configure_optimizer, elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported,
+                 free_memory, gib, gpu_peak_flops, is_oom, lazily, make_config, mfu, plot_to, print_table, resolve_device,
+                 run_main, set_tf32, summarize, synchronize, time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
 LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ TF32 matmuls", {"tf32": True}),
           ("+ bf16 autocast", {"dtype": torch.bfloat16}),
-          ("+ SDPA flash attention", {"attn": "flash"}),
+          ("+ SDPA attention", {"attn": "sdpa"}),  # a fused kernel: cuDNN's on an H100, as train.py's default
           ("+ vocab 50304", {"vocab": 50304}),
           ("+ torch.compile (PDL)", {"compile": True}),  # gpt.compile_model, train.py's compile
           ("+ CUDA graphs", {"graphs": True}),
@@ -437,26 +415,34 @@ def kernel_times(prof, cuda):
     return sorted((k for k in out if k[2] > 0), key=lambda k: -k[2])
 
 
+GROUPS = ("matmul", "attention", "cross-entropy", "normalization", "element-wise", "optimizer", "copies")
+
+
 def category(name):
+    """The group of a GPU kernel or CPU op, by its name (Inductor names a fused kernel after its ops)."""
     n = name.lower()
     if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "attn")):
-        return "attention (fused kernels)"
+        return "attention"
     if any(s in n for s in ("adam", "multi_tensor")):
         return "optimizer"
     if any(s in n for s in ("gemm", "xmma", "nvjet", "cutlass", "matmul", "aten::mm", "aten::addmm",
                             "aten::bmm", "triton_tem", "splitk", "scaled_mm")):
         return "matmul"
-    if any(s in n for s in ("memcpy", "memset", "aten::copy_", "aten::fill_", "aten::zero_")):
-        return "copy/fill"
-    return "elementwise+norm"
+    if any(s in n for s in ("cross_entropy", "nll_loss", "log_softmax")):
+        return "cross-entropy"
+    if any(s in n for s in ("layer_norm", "layernorm")):
+        return "normalization"
+    if any(s in n for s in ("memcpy", "memset", "copy", "fill_", "zero_", "aten::cat", "clone", "transpose")):
+        return "copies"
+    return "element-wise"
 
 
 def category_times(prof, cuda):
-    """{category: us}. Everything run inside the optimizer's own profiler range
+    """{group: us}. Everything run inside the optimizer's own profiler range
     ("Optimizer.step#AdamW.step") counts as optimizer: on the CPU AdamW is a string of plain
     elementwise ops that a name alone cannot tell apart. On the GPU each op's kernels are the
     ones it launched (Inductor's included); kernel time the profiler could not link to a CPU op
-    is shown as "unlinked"."""
+    goes to its group by the kernel's name."""
     sums = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CPU or e.is_async:
@@ -469,10 +455,41 @@ def category_times(prof, cuda):
         for name, us in work:
             key = "optimizer" if in_optimizer else category(name)
             sums[key] = sums.get(key, 0.0) + us
-    unlinked = sum(k[2] for k in kernel_times(prof, cuda)) - sum(sums.values())
-    if cuda and unlinked > 0.01 * sum(sums.values()):
-        sums["unlinked"] = unlinked
+    if cuda:  # kernels no CPU op launched (a CUDA graph's replay, some of Inductor's): by name
+        linked = {}
+        for e in prof.events():
+            for k in e.kernels if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async else []:
+                linked[k.name] = linked.get(k.name, 0.0) + k.duration
+        for name, _, us in kernel_times(prof, cuda):
+            if us - linked.get(name, 0.0) > 0:
+                sums[category(name)] = sums.get(category(name), 0.0) + us - linked.get(name, 0.0)
     return sums
+
+
+def group_floors(config, B, T, fused_ce):
+    """(FLOPs, bytes) each group cannot do with less, per train step in bf16 autocast: the bound a
+    group is measured against. Matmuls and attention: their FLOPs (gpt.flops_per_token's terms, the
+    causal attention halved). The others are memory-bound: the bytes they must read and write at
+    least once, with the residual stream in fp32 and the matmuls' inputs in bf16 (N tokens, width
+    d, MLP width f, L layers, P parameters): LayerNorm forward reads 4 and writes 2 bytes an
+    element, backward reads 4 + 2 and writes 4 (2L + 1 of them); GELU reads and writes 2 forward,
+    reads 4 and writes 2 backward; the 2L residual adds read 8 and write 4; the loss reads the bf16
+    logits and writes their gradient (and without the fusion writes them once more); fused AdamW
+    reads weight, gradient and two moments and writes three of them (28 bytes a parameter); the
+    copies are the casts of the fp32 weights to bf16 (read 4, write 2)."""
+    N, d, f, L, V = B * T, config.n_embd, config.d_ff, config.n_layer, config.vocab_size
+    P = L * (4 * d * d + 2 * d * f + 9 * d + f) + V * d + config.block_size * d + 2 * d
+    matmul = 6 * N * (L * (4 * d * d + 2 * d * f) + V * d)
+    return {"matmul": (matmul, 0), "attention": (6 * L * d * T * N, 0),
+            "cross-entropy": (0, N * V * (4 if fused_ce else 8)), "normalization": (0, 16 * N * d * (2 * L + 1)),
+            "element-wise": (0, 10 * N * f * L + 12 * N * d * 2 * L), "optimizer": (0, 28 * P), "copies": (0, 6 * P)}
+
+
+def copy_bandwidth(device):
+    """Bytes per second a device-to-device copy of 1 GiB moves (read + write): the memory roof."""
+    a, b = torch.empty(2**29, dtype=torch.bfloat16, device=device), torch.empty(2**29, dtype=torch.bfloat16, device=device)
+    ms = statistics.median(time_rounds({"copy": lambda: b.copy_(a)}, device, rounds=10, steps=5)[0]["copy"])
+    return 2 * a.nbytes / (ms / 1e3)
 
 
 def naive_attention_rows(prof, config, B, T, steps, cuda):
@@ -506,11 +523,37 @@ def profile_steps(bench, B, T, device, warmup, steps):
     profs = {}
     for mode in ("forward", "train"):
         with profile(activities=activities) as profs[mode]:
+            synchronize(device)
+            start = clock(device)
             for _ in range(steps):
                 run_step(mode, bench, x, y)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            end = clock(device)
+            synchronize(device)
+        profs["wall_ms"] = elapsed_ms(start, end) / steps  # (the train steps', recorded last)
     return profs
+
+
+def print_groups(groups, wall_ms, bench, B, T, steps, device):
+    """The train step by group: ms, share of the step, and how far each is from its own limit on this
+    GPU (matmul and attention FLOPs at the bf16 tensor-core peak, the others' bytes at the copy
+    bandwidth). Idle: the step's wall time that no kernel filled (the GPU waiting for the CPU)."""
+    peak, cuda = gpu_peak_flops(device), device.type == "cuda"
+    bandwidth = copy_bandwidth(device) if cuda else None
+    floors, busy = group_floors(bench["config"], B, T, bench["config"].fused_ce), sum(groups.values()) / 1e3 / steps
+    rows = []
+    for group in GROUPS:
+        ms, (flops, nbytes) = groups.get(group, 0.0) / 1e3 / steps, floors[group]
+        floor = (flops / peak if flops else nbytes / bandwidth) * 1e3 if peak and bandwidth else None
+        limit = f"{flops / 1e9:,.0f} GFLOP at the bf16 peak" if flops else f"{nbytes / 1e9:,.2f} GB at copy speed"
+        rows.append([group, f"{ms:.2f}", f"{100 * ms / wall_ms:.1f}%", limit, "n/a" if floor is None else f"{floor:.2f}",
+                     "n/a" if floor is None or not ms else f"{ms / floor:.1f}x"])
+    idle = max(0.0, wall_ms - busy) if cuda else None
+    rows.append(["idle (no kernel running)", "n/a" if idle is None else f"{idle:.2f}",
+                 "n/a" if idle is None else f"{100 * idle / wall_ms:.1f}%", "0", "0", "-"])
+    where = (f"peak {peak / 1e12:.0f} TFLOP/s bf16, copy {bandwidth / 1e9:.0f} GB/s measured" if peak and bandwidth
+             else "limits n/a: no known GPU")
+    print(f"\ntime by category: the train step ({wall_ms:.2f} ms wall per step, {where})")
+    print_table(["group", "ms/step", "share of step", "its limit", "ms at the limit", "x its limit"], rows)
 
 
 def print_profile(profs, bench, B, T, steps, device, trace):
@@ -523,13 +566,7 @@ def print_profile(profs, bench, B, T, steps, device, trace):
         print_table(["name", "calls/step", "ms/step", "share"],
                     [[n[:80], f"{c / steps:g}", f"{us / 1e3 / steps:.3f}", f"{100 * us / total:.1f}%"]
                      for n, c, us in ks[:10]])
-    fwd, step = category_times(profs["forward"], cuda), category_times(profs["train"], cuda)
-    t_fwd, t_step = sum(fwd.values()) or 1, sum(step.values()) or 1
-    print("\ntime by category (kernel/op name; optimizer = inside AdamW.step)")
-    print_table(["category", "forward ms/step", "forward share", "train step ms/step", "train step share"],
-                [[c, f"{fwd.get(c, 0) / 1e3 / steps:.3f}", f"{100 * fwd.get(c, 0) / t_fwd:.1f}%",
-                  f"{us / 1e3 / steps:.3f}", f"{100 * us / t_step:.1f}%"]
-                 for c, us in sorted(step.items(), key=lambda kv: -kv[1])])
+    print_groups(category_times(profs["train"], cuda), profs["wall_ms"], bench, B, T, steps, device)
     if bench["config"].attn == "naive":
         rows = naive_attention_rows(profs["forward"], bench["config"], B, T, steps, cuda)
         print(f"\nnaive attention, forward, all {bench['config'].n_layer} layers")
