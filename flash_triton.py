@@ -4,8 +4,7 @@ Attention never needs the (S, S) score matrix in memory: each program keeps a ti
 chip, streams key/value tiles past it with an online softmax (a running max and sum), and writes O
 and the row logsumexp L once. The backward recomputes P from Q, K and L, with one kernel owning dQ
 per query tile and one owning dK/dV per key tile: no atomics, bitwise deterministic gradients.
-Causal masking skips the tiles above the diagonal and masks only the diagonal ones. This file
-imports nothing from the repository: copy it and it runs.
+This file imports nothing from the repository: copy it and it runs.
 
     python flash_triton.py                 # the benchmark (on a CPU: the kernels vs the reference)
     python flash_triton.py --shapes 8x16x2048x64 --plot flash.png
@@ -13,31 +12,15 @@ imports nothing from the repository: copy it and it runs.
     from flash_triton import FlashAttention, flash_attention
     o = FlashAttention.apply(q, k, v, True)        # (batch, seq, d), (batch, heads, seq, d), ...
     o = flash_attention(q, k, v, causal=True)      # the same, as a plain function
-
-What was tried, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-23, all in one
-process: bf16 causal fwd+bwd ms, do_bench medians, at B1 H16 S16384 D64 | B1 H16 S16384 D128 |
-B16 H12 S1024 D64 (GPT-2's attention) | B4 H16 S4096 D32 | B4 H16 S4096 D16:
-
-    fixed tiles, plain loads              5.15 |  9.23 | 0.89 | 1.16 | 0.90   default at D64, D16
-    TMA descriptor loads                  5.21 |  8.66 | 1.17 | 1.25 | 1.18   default at D128
-    TMA + warp-specialized forward loop   5.33 |  8.57 | 0.95 | 1.20 | 1.38   dropped (forward no faster)
-    causal tiles paired long with short   5.45 | 10.16 | 1.13 | 1.14 | 1.06   dropped
-    @triton.autotune per (Nq, Nk, D)      5.14 |  9.19 | 1.16 | 1.00 | 1.28   its tiles: default at D32
-    SDPA cuDNN                            4.51 |  7.23 | 0.38 | 1.21 | 1.18
-    SDPA flash                            6.92 | 12.28 | 0.60
-The kernels as they are now (same GPU and day, `python flash_triton.py`, 2 repeats; ratio to cuDNN
-paired by repeat; graphed: replayed from a CUDA graph, without Python and launch costs):
-
-    B1 H16 S16384 D64   ours 5.03 ms, 1.14x (1.12-1.15) cuDNN; graphed 5.10 vs 4.48
-    B16 H12 S1024 D64   ours 0.50 ms, 1.31x (1.07-1.55) cuDNN; graphed 0.392 vs 0.375 (1.05x)
-    B1 H16 S16384 D128  ours 8.90 ms, 1.26x (1.25-1.26) cuDNN; B4 H16 S4096 D32 / D16: 0.80x / 0.77x
 """
 
 import argparse
+import importlib.util
 import itertools
 import math
 import os
 import re
+import signal
 import statistics
 import sys
 from functools import partial
@@ -64,84 +47,11 @@ if INTERPRETED:  # triton <= 3.6's interpreter takes int() of a 1-element array 
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): exp2 is the native instruction
-# kernels may read globals only when they are constexpr
-LOG2E_K = tl.constexpr(LOG2E)
+LOG2E_K = tl.constexpr(LOG2E)  # kernels may read globals only when they are constexpr
 LN2_K = tl.constexpr(0.6931471805599453)
 
 
-def fail(message):
-    """Stop on bad input with one sentence and exit status 2 (no traceback)."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def print_table(headers, rows):
-    cells = [[str(c) for c in row] for row in (headers, *rows)]
-    widths = [max(map(len, column)) for column in zip(*cells)]
-    for n, row in enumerate([cells[0], ["-" * w for w in widths], *cells[1:]]):
-        print("  ".join(c.ljust(w) if i < 2 or n < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-
-
-# --- 1. the reference: FlashAttention-2 tile by tile in plain PyTorch, on (..., seq, d) tensors
-
-
-def _torch_forward(q, k, v, causal, scale, block=64):
-    """O and L (natural-log logsumexp of the scaled scores, fp32, shaped like q without its last
-    dimension) by the FA2 forward loop: per query tile, an online softmax over key tiles."""
-    q, k, v = q.float(), k.float(), v.float()
-    Nq, Nk = q.shape[-2], k.shape[-2]
-    o, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
-    for i in range(0, Nq, block):
-        qi = q[..., i : i + block, :]
-        rows = torch.arange(i, i + qi.shape[-2], device=q.device)
-        m = q.new_full(qi.shape[:-1], -math.inf)
-        l, acc = torch.zeros_like(m), torch.zeros_like(qi)
-        for j in range(0, min(Nk, i + block) if causal else Nk, block):  # skip tiles above the diagonal
-            s = (qi @ k[..., j : j + block, :].transpose(-1, -2)) * scale
-            if causal:
-                cols = torch.arange(j, j + s.shape[-1], device=q.device)
-                s = s.masked_fill(cols[None, :] > rows[:, None], -math.inf)
-            m_new = torch.maximum(m, s.amax(-1))
-            p = torch.exp(s - m_new[..., None])
-            alpha = torch.exp(m - m_new)  # rescales what was summed under the old max
-            l = l * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + p @ v[..., j : j + block, :]
-            m = m_new
-        o[..., i : i + block, :] = acc / l[..., None]
-        lse[..., i : i + block] = m + torch.log(l)
-    return o, lse
-
-
-class FlashAttentionTorch(torch.autograd.Function):
-    """The readable reference: O from the tiled forward, L kept for a backward that recomputes P. Same
-    apply(q, k, v, is_causal=False, scale=None, precision=None) as FlashAttention; computes in fp32."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal=False, scale=None, precision=None):
-        check_inputs(q, k, v, is_causal)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        o, lse = _torch_forward(q, k, v, is_causal, scale)
-        o = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = is_causal, scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        """The FA2 backward equations, with P = exp(S - L) recomputed from the saved L rather than
-        stored: dV = P^T dO, dP = dO V^T, dS = P * (dP - D) with D = rowsum(dO * O), dQ = scale dS K,
-        dK = scale dS^T Q. (Here in one piece; the kernels go tile by tile.)"""
-        q, k, v, o, lse = ctx.saved_tensors
-        qf, kf, vf, o, do = (t.float() for t in (q, k, v, o, do))
-        p = torch.exp((qf @ kf.transpose(-1, -2)) * ctx.scale - lse[..., None])
-        if ctx.causal:
-            p = p.masked_fill(torch.ones(p.shape[-2:], dtype=torch.bool, device=p.device).triu(1), 0.0)
-        ds = p * (do @ vf.transpose(-1, -2) - (do * o).sum(-1, keepdim=True)) * ctx.scale
-        dq, dk, dv = ds @ kf, ds.transpose(-1, -2) @ qf, p.transpose(-1, -2) @ do
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
-# --- 2. Triton forward: one program per (query tile, batch*head)
+# --- 1. Triton forward: one program per (query tile, batch*head)
 
 
 @triton.jit
@@ -195,7 +105,7 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, lo, hi, Nk, qk_scale,
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             qk = qk * qk_scale - m_new[:, None]
         p = tl.math.exp2(qk)
-        alpha = tl.math.exp2(m_i - m_new)
+        alpha = tl.math.exp2(m_i - m_new)  # the online softmax: rescales what was summed under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _tile(V, start_n, Nk, svn, BLOCK_N, D, MASKED, TMA, False)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -208,7 +118,9 @@ def _fwd_kernel(Q, K, V, O, L, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
                 CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 PRECISION: tl.constexpr, TMA: tl.constexpr):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # causal: the unmasked stage ends on a key-tile boundary
-    qk_scale = tl.cast(qk_scale, tl.float32)  # see _dq_kernel
+    # Under torch.compile, Inductor launches these kernels and types Python floats as fp64; fp64
+    # scales would turn the whole softmax fp64 (and tl.dot's fp32 accumulator a type error).
+    qk_scale = tl.cast(qk_scale, tl.float32)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     if CAUSAL:  # the last query tiles see the most keys: start them first, for a shorter tail
@@ -223,8 +135,7 @@ def _fwd_kernel(Q, K, V, O, L, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # Stage 1: key tiles entirely visible and in bounds, no masking at all.
-    # Stage 2: the diagonal tiles (causal) or the ragged last tile (non-causal), masked.
+    # first the key tiles entirely visible and in bounds, unmasked; then the diagonal (causal) or ragged last tile
     if CAUSAL:
         full_end = start_m * BLOCK_M
         masked_end = tl.minimum(full_end + BLOCK_M, Nk)
@@ -235,12 +146,13 @@ def _fwd_kernel(Q, K, V, O, L, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
                                CAUSAL, False, D, BLOCK_N, PRECISION, TMA)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, full_end, masked_end, Nk, qk_scale,
                                CAUSAL, True, D, BLOCK_N, PRECISION, TMA)
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
-             mask=offs_m[:, None] < Nq)
+    o = (acc / l_i[:, None]).to(O.dtype.element_ty)
+    tl.store(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], o, mask=offs_m[:, None] < Nq)
     tl.store(L + bh * Nq + offs_m, (m_i + tl.math.log2(l_i)) * LN2_K, mask=offs_m < Nq)
 
+# takeaway: O and L are written once; the (S, S) scores only ever exist one tile at a time, on chip.
 
-# --- 3. Triton backward: dQ (and D = rowsum(dO*O)) per query tile, then dK/dV per key tile
+# --- 2. Triton backward: dQ (and D = rowsum(dO*O)) per query tile, then dK/dV per key tile
 
 
 @triton.jit
@@ -267,9 +179,7 @@ def _dq_kernel(Q, K, V, O, DO, L, Delta, DQ, sqb, sqh, sqn, skb, skh, skn, svb, 
                CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                DIAG: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     tl.static_assert(BLOCK_M % BLOCK_N == 0 and BLOCK_M % DIAG == 0)  # key slices tile the query tile
-    # Under torch.compile, Inductor launches these kernels and types Python floats as fp64; fp64
-    # scales would turn the whole softmax fp64 (and tl.dot's fp32 accumulator a type error).
-    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # see _fwd_kernel
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     if CAUSAL:  # as in the forward: the longest query tiles first
@@ -286,8 +196,7 @@ def _dq_kernel(Q, K, V, O, DO, L, Delta, DQ, sqb, sqh, sqn, skb, skh, skn, svb, 
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqn + offs_d[None, :], mask=rows, other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + offs_m[:, None] * sdn + offs_d[None, :], mask=rows, other=0.0)
     o = tl.load(O + b * sob + h * soh + offs_m[:, None] * son + offs_d[None, :], mask=rows, other=0.0)
-    # D = rowsum(dO * O) of these query rows. This program owns them, so it computes D itself and
-    # leaves it for the dK/dV kernel launched after it: no separate pass (and launch) for D.
+    # D = rowsum(dO * O) of the rows this program owns, left for the dK/dV kernel: no pass of its own
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + bh * Nq + offs_m, delta, mask=offs_m < Nq)
     lse2 = tl.load(L + bh * Nq + offs_m, mask=offs_m < Nq, other=float("inf")) * LOG2E_K
@@ -336,7 +245,7 @@ def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, sqb, sqh, sqn, skb, skh, skn, sv
                  CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  DIAG: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     tl.static_assert(BLOCK_N % BLOCK_M == 0 and BLOCK_N % DIAG == 0)  # query slices tile the key tile
-    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # see _dq_kernel
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # see _fwd_kernel
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     Q += b * sqb + h * sqh
@@ -356,8 +265,7 @@ def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, sqb, sqh, sqn, skb, skh, skn, sv
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     full_end = Nq // BLOCK_M * BLOCK_M
     if CAUSAL:
-        # The diagonal tile in thin query slices (less masked-away work), then every query tile
-        # below it unmasked, then a ragged last tile if any. Key rows past Nk are never stored.
+        # the diagonal in thin query slices (less masked work), the tiles below unmasked, a ragged last one
         dk, dv = _dkdv_inner(dk, dv, k, v, Qd, DOd, L, Delta, sqn, sdn, offs_n, start_n,
                              tl.minimum(start_n + BLOCK_N, Nq), Nq, qk_scale, CAUSAL, True, D, DIAG, PRECISION, TMA)
         full_start = start_n + BLOCK_N
@@ -371,18 +279,17 @@ def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, sqb, sqh, sqn, skb, skh, skn, sv
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=rows)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=rows)
 
+# takeaway: the backward recomputes P from L, and each gradient has one owner: no atomics, deterministic.
 
-# --- 4. tile configurations, launchers and the autograd.Functions
+# --- 3. tile configurations, launchers and the autograd.Function
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim for 16-bit inputs; dkdv's BLOCK_M is the query
-# slice it iterates over its key tile (the diagonal uses half of it), dq's BLOCK_N the key slice. From
-# @triton.autotune on an H100 (bf16, causal; D16 keeps D64's); the docstring has what else was tried.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, 16-bit inputs; dkdv iterates BLOCK_M query slices
+# over its key tile, dq BLOCK_N key slices. From @triton.autotune on an H100 (bf16, causal; D16 keeps D64's).
 D64_TILES = {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (128, 64, 4, 2)}
 TUNED = {16: D64_TILES, 32: {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 3)}, 64: D64_TILES,
          128: {"fwd": (128, 128, 8, 3), "dkdv": (64, 64, 4, 2), "dq": (128, 64, 8, 3)}}
 TMA_HEAD_DIMS = (128,)  # tiles load through Hopper's tensor-memory accelerator (descriptors)
-# fp32 tiles take twice the shared memory, and exact fp32 dots run on the CUDA cores: small tiles keep
-# registers and compile time in check. Small interpreter tiles make CPU tests cross many boundaries.
+# fp32: twice the shared memory, exact dots on CUDA cores; small interpreter tiles cross many boundaries
 FP32_TILES = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
 INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
 KERNELS = {"fwd": _fwd_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
@@ -391,21 +298,22 @@ KERNELS = {"fwd": _fwd_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
 def _launch(name, n, BH, args, dtype, **meta):
     """Launch kernel `name` with its tiles over n rows (queries, or keys for dkdv) of B*H heads."""
     if meta["TMA"]:
-        # Descriptors made inside a kernel live in a scratch buffer Triton asks for at launch. The
-        # allocator is per thread, and autograd runs the backward on a thread of its own.
+        # in-kernel descriptors live in a scratch buffer from a per-thread allocator (backward has its own thread)
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
     tiles = INTERPRETER_TILES if INTERPRETED else FP32_TILES if dtype == torch.float32 else TUNED[meta["D"]]
     bm, bn, warps, stages = tiles[name]
     if name != "fwd":  # the diagonal's sub-tile: half of the dimension that iterates, at least a dot's 16
         meta["DIAG"] = max((bm if name == "dkdv" else bn) // 2, 16)
     tile = bn if name == "dkdv" else bm
-    KERNELS[name][((n + tile - 1) // tile, BH)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    KERNELS[name][((n + tile - 1) // tile, BH)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                                                num_stages=stages)
 
 
 def _use_tma(*tensors):
     # TMA descriptors need 16-byte aligned bases and row strides; fp32 keeps the exact-dot path.
+    aligned = lambda t: t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
     return (tensors[0].shape[-1] in TMA_HEAD_DIMS and tensors[0].dtype != torch.float32 and
-            all(t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors))
+            all(map(aligned, tensors)))
 
 
 def _as_4d(t):
@@ -468,8 +376,7 @@ def torch_fp32_precision():  # newer torch has fp32_precision, and reading allow
 
 
 def check_inputs(q, k, v, causal, precision=None):
-    """Raise ValueError, in one sentence, for shapes attention cannot take; with a precision, also
-    for what the kernels do not support: head dims, dtypes, devices, precision."""
+    """ValueError, in one sentence, for shapes attention cannot take (with a precision: or the kernels)."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         raise ValueError("q, k and v must be torch tensors")
     if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
@@ -497,17 +404,75 @@ def check_inputs(q, k, v, causal, precision=None):
 
 
 def flash_attention(q, k, v, causal=False, scale=None, precision=None):
-    """softmax(scale * q k^T) v with the Triton kernels, differentiable. q: (..., Nq, D), k and v:
-    (..., Nk, D); scale defaults to 1/sqrt(D). `precision` applies to fp32 inputs only: "ieee"
-    for exact fp32 dots, "tf32" for the faster tensor-core ones; None follows torch's fp32 matmul
-    setting, so --attn triton matches the rest of the model."""
+    """softmax(scale * q k^T) v with the Triton kernels, differentiable; q (..., Nq, D), k and v (..., Nk, D),
+    scale 1/sqrt(D) by default. `precision` (fp32 inputs only): "ieee" exact dots, "tf32" tensor-core ones,
+    None torch's fp32 matmul setting, so --attn triton matches the rest of the model."""
     return FlashAttention.apply(q, k, v, causal, scale, precision)
 
+# takeaway: tile sizes are per head dim and dtype, and the Function saves only q, k, v, O and L.
+
+# --- 4. the reference: FlashAttention-2 tile by tile in plain PyTorch, on (..., seq, d) tensors
+
+
+def _torch_forward(q, k, v, causal, scale, block=64):
+    """O and L (natural-log logsumexp of the scaled scores, fp32, shaped like q without its last
+    dimension) by the FA2 forward loop: per query tile, an online softmax over key tiles."""
+    q, k, v = q.float(), k.float(), v.float()
+    Nq, Nk = q.shape[-2], k.shape[-2]
+    o, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+    for i in range(0, Nq, block):
+        qi = q[..., i : i + block, :]
+        rows = torch.arange(i, i + qi.shape[-2], device=q.device)
+        m = q.new_full(qi.shape[:-1], -math.inf)
+        l, acc = torch.zeros_like(m), torch.zeros_like(qi)
+        for j in range(0, min(Nk, i + block) if causal else Nk, block):  # skip tiles above the diagonal
+            s = (qi @ k[..., j : j + block, :].transpose(-1, -2)) * scale
+            if causal:
+                cols = torch.arange(j, j + s.shape[-1], device=q.device)
+                s = s.masked_fill(cols[None, :] > rows[:, None], -math.inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            alpha = torch.exp(m - m_new)  # rescales what was summed under the old max
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + p @ v[..., j : j + block, :]
+            m = m_new
+        o[..., i : i + block, :] = acc / l[..., None]
+        lse[..., i : i + block] = m + torch.log(l)
+    return o, lse
+
+
+class FlashAttentionTorch(torch.autograd.Function):
+    """The readable reference: the tiled forward, a backward that recomputes P from L; FlashAttention's apply."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False, scale=None, precision=None):
+        check_inputs(q, k, v, is_causal)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        o, lse = _torch_forward(q, k, v, is_causal, scale)
+        o = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = is_causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        """The FA2 backward equations, with P = exp(S - L) recomputed from the saved L rather than
+        stored: dV = P^T dO, dP = dO V^T, dS = P * (dP - D) with D = rowsum(dO * O), dQ = scale dS K,
+        dK = scale dS^T Q. (Here in one piece; the kernels go tile by tile.)"""
+        q, k, v, o, lse = ctx.saved_tensors
+        qf, kf, vf, o, do = (t.float() for t in (q, k, v, o, do))
+        p = torch.exp((qf @ kf.transpose(-1, -2)) * ctx.scale - lse[..., None])
+        if ctx.causal:
+            p = p.masked_fill(torch.ones(p.shape[-2:], dtype=torch.bool, device=p.device).triu(1), 0.0)
+        ds = p * (do @ vf.transpose(-1, -2) - (do * o).sum(-1, keepdim=True)) * ctx.scale
+        dq, dk, dv = ds @ kf, ds.transpose(-1, -2) @ qf, p.transpose(-1, -2) @ do
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+# takeaway: the same online softmax in a dozen lines of PyTorch, the yardstick for every kernel test.
 
 # --- 5. benchmark against SDPA's backends (do_bench: each pipeline alone, L2 flushed between calls)
 
-# the targets: long context at D64 and D128, GPT-2 124M's own attention (B16 H12 S1024 D64), the
-# small head dims, and one fp32 row (SDPA's flash and cuDNN backends take only 16-bit inputs)
+# long context at D64 and D128, GPT-2 124M's attention (B16 H12 S1024 D64), small head dims, one fp32 row
 SHAPES = [(1, 16, 16384, 64, "bf16"), (1, 16, 16384, 128, "bf16"), (16, 12, 1024, 64, "bf16"),
           (4, 16, 4096, 128, "bf16"), (4, 16, 4096, 32, "bf16"), (4, 16, 4096, 16, "bf16"), (4, 16, 4096, 64, "fp32")]
 
@@ -522,17 +487,16 @@ def sdpa(backend, q, k, v, causal):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-# ours, then what it is measured against: SDPA's cuDNN and flash backends for 16-bit inputs, the
-# memory-efficient one for fp32 (the only fused SDPA kernel that takes fp32)
+# ours, then SDPA's cuDNN and flash backends (16-bit only) or its memory-efficient one (the fused kernel for fp32)
 IMPLS = {"bf16": {"ours": flash_attention, "sdpa cudnn": partial(sdpa, "CUDNN_ATTENTION"),
                   "sdpa flash": partial(sdpa, "FLASH_ATTENTION")},
-         "fp32": {"ours ieee": partial(flash_attention, precision="ieee"), "ours tf32": partial(flash_attention, precision="tf32"),
+         "fp32": {"ours ieee": partial(flash_attention, precision="ieee"),
+                  "ours tf32": partial(flash_attention, precision="tf32"),
                   "sdpa efficient": partial(sdpa, "EFFICIENT_ATTENTION")}}
 
 
 def time_impl(f, B, H, S, D, dtype):
-    """Causal (fwd ms, fwd+bwd ms, fwd+bwd ms replayed from a CUDA graph or None), do_bench medians,
-    or why it could not run: out of memory, a backend that does not take these inputs."""
+    """Causal (fwd, fwd+bwd, fwd+bwd graphed or None) ms, do_bench medians; or why it could not run."""
     try:
         q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(4))
         fwd = triton.testing.do_bench(lambda: f(q, k, v, True), return_mode="median")
@@ -579,11 +543,13 @@ def report(results, repeats):
                 vs = [a[1] / b[1] for a, b in zip(t, base)] if base else []
                 cells = [f"{statistics.median(fwd):.3f}", spread(both), f"{tflops(*key, statistics.median(both)):.0f}",
                          spread(vs, 2, "x") if vs else "n/a", f"{statistics.median(graphed):.3f}" if graphed else "n/a"]
-                parts += [f"B{key[0]} H{key[1]} S{key[2]} D{key[3]}{' fp32 tf32' if key[4] == 'fp32' else ''} {spread(vs, 2, 'x')}"
-                          ] if vs and name in ("ours", "ours tf32") else []
+                if vs and name in ("ours", "ours tf32"):
+                    shape = "B{} H{} S{} D{}".format(*key) + " fp32 tf32" * (key[4] == "fp32")
+                    parts.append(f"{shape} {spread(vs, 2, 'x')}")
             rows.append(["" if i else "B{} H{} S{} D{} {}".format(*key), name, *cells])
-    print(f"\ncausal; do_bench medians; fwd+bwd: median (min-max) of {repeats} repeats; vs SDPA: the first SDPA row that"
-          " ran (cuDNN; efficient for fp32), paired by repeat; graphed: replayed from a CUDA graph; n/a: see above")
+    print(f"\ncausal; do_bench medians; fwd+bwd: median (min-max) of {repeats} repeats; vs SDPA: the first SDPA "
+          "row that ran (cuDNN; efficient for fp32), paired by repeat; graphed: replayed from a CUDA graph; "
+          "n/a: see above")
     print_table(["shape", "impl", "fwd ms", "fwd+bwd ms", "TFLOP/s", "fwd+bwd vs SDPA", "graphed ms"], rows)
     print("summary: ours fwd+bwd / SDPA: " + ("; ".join(parts) or "n/a"))
 
@@ -595,8 +561,10 @@ def plot_tflops(results, path):
     plt.switch_backend("Agg")
     fig, ax = plt.subplots(figsize=(2 + 1.5 * len(results), 4))
     width = 0.8 / max(map(len, results.values()))
-    for name in dict.fromkeys(name for times in results.values() for name in times):  # each bar at its place in its shape
-        bars = [(x + width * (list(times).index(name) - (len(times) - 1) / 2), tflops(*key, statistics.median(r[1] for r in t)))
+    for name in dict.fromkeys(name for times in results.values() for name in times):
+        # each bar at its place within its shape's group
+        bars = [(x + width * (list(times).index(name) - (len(times) - 1) / 2),
+                 tflops(*key, statistics.median(r[1] for r in t)))
                 for x, (key, times) in enumerate(results.items()) if isinstance(t := times.get(name), list)]
         if bars:
             ax.bar(*zip(*bars), width, label=name)
@@ -606,8 +574,22 @@ def plot_tflops(results, path):
     fig.savefig(path, dpi=120, bbox_inches="tight")
     print(f"wrote {path}")
 
+# takeaway: compare against SDPA's own fused kernels, paired by repeat, and graphed to remove launch costs.
 
 # --- 6. main
+
+
+def fail(message):  # bad input: one sentence and exit status 2, no traceback
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def print_table(headers, rows):
+    cells = [[str(c) for c in row] for row in (headers, *rows)]
+    widths = [max(map(len, column)) for column in zip(*cells)]
+    for n, row in enumerate([cells[0], ["-" * w for w in widths], *cells[1:]]):
+        padded = (c.ljust(w) if i < 2 or n < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        print("  ".join(padded).rstrip())
 
 
 def parse_args(argv):
@@ -622,18 +604,14 @@ def parse_args(argv):
     args.shapes = [(*map(int, s.split("x")), "bf16") for s in args.shapes.split(",")] if args.shapes else SHAPES
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
-    if args.plot:  # before any work: a GPU, a path this script can write, matplotlib (optional, imported only here)
+    if args.plot:  # before any work: a GPU, a path this script can write, matplotlib (imported only here)
         folder = os.path.dirname(os.path.abspath(args.plot))
         if INTERPRETED:
             raise ValueError("--plot draws the GPU benchmark, and this machine has no CUDA GPU (nothing is timed)")
-        if os.path.isdir(args.plot):
-            raise ValueError(f"--plot {args.plot} is a directory, not a PNG file name")
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise ValueError(f"--plot {args.plot}: the folder {folder} does not exist or is not writable")
-        try:
-            import matplotlib  # noqa: F401
-        except ModuleNotFoundError:
-            raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+        if os.path.isdir(args.plot) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--plot {args.plot} must name a PNG file in an existing, writable folder")
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib (pip install matplotlib)")
     return args
 
 
@@ -642,14 +620,15 @@ def main(argv=None):
         args = parse_args(argv)
     except ValueError as e:
         fail(str(e))
-    if INTERPRETED:  # no GPU: one small causal case in fp32, the kernels against section 1's reference
-        print("no CUDA GPU: the kernels run under TRITON_INTERPRET=1 (seconds) against the PyTorch reference; no benchmark")
+    if INTERPRETED:  # no GPU: one small causal case in fp32, the kernels against section 4's reference
+        print("no CUDA GPU: the kernels run under TRITON_INTERPRET=1 against the PyTorch reference; no benchmark")
         q, k, v, do = torch.randn(4, 2, 3, 80, 32, generator=torch.Generator().manual_seed(0))
         leaves = [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]
-        outs = [(o := fn.apply(*x, True), o.grad_fn.saved_tensors[-1], *torch.autograd.grad(o, x, do))  # O, L, dQ, dK, dV
+        outs = [(o := fn.apply(*x, True), o.grad_fn.saved_tensors[-1], *torch.autograd.grad(o, x, do))
                 for fn, x in zip((FlashAttention, FlashAttentionTorch), leaves)]
         error = max(((a - b).norm() / b.norm()).item() for a, b in zip(*outs))
-        print(f"summary: O, L, dQ, dK, dV within {error:.1e} of the reference (relative): {'ok' if error < 1e-5 else 'FAIL'}")
+        verdict = "ok" if error < 1e-5 else "FAIL"
+        print(f"summary: O, L, dQ, dK, dV within {error:.1e} of the reference (relative): {verdict}")
         sys.exit(0 if error < 1e-5 else 1)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     results = run_benchmark(args.shapes, args.repeats)
@@ -659,8 +638,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import signal
-
     def on_term(signum, frame):
         raise KeyboardInterrupt(signum)
     signal.signal(signal.SIGTERM, on_term)
