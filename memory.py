@@ -1,11 +1,9 @@
 """Where a training step's memory goes, predicted before you run it: one GPU, a DDP or an FSDP rank.
 
 A step holds the weights and AdamW's state (16 bytes per parameter), the activations saved for
-backward, and short-lived buffers whose timing decides the peak: the fused loss's chunks of logits,
-the start of backward, or a block's backward with its recomputed activations and (under FSDP) its
-gathered weights. `account` lists what is alive at each of those moments from gpt.py's ops, and
-checks it byte for byte against live tensors on a CPU and against max_memory_allocated on a GPU.
-torch.compile keeps fewer bytes than eager: `--compile` predicts (and measures) that.
+backward, and short-lived buffers whose timing decides the peak. `account` lists what is alive at
+each moment of a step from gpt.py's ops, and is checked byte for byte against live tensors on a CPU
+and against max_memory_allocated on a GPU; `--compile` predicts what torch.compile keeps instead.
 
     python memory.py account --model gpt2 --seq 1024 --batch 16 --bf16 [--compile]   # predicted vs measured
     python memory.py account --sweep --batch 8 [--model xl] [--unfused]   # gpt2..xl x 128..1024 x fp32/bf16
@@ -13,33 +11,6 @@ torch.compile keeps fewer bytes than eager: `--compile` predicts (and measures) 
     python memory.py checkpoint --model 2.7B --batch 4 --seq 2048 --bf16   # best checkpoint group size
     python memory.py parallel [--model xl --world 2]                       # DP, ZeRO-1/2, FSDP per rank
     python memory.py snapshot --model gpt2 --seq 512 --bf16 --out snap.pickle
-
-2xH200, torch 2.11.0+cu130, 2026-11-23: peak mem of `torchrun --nproc_per_node=2 train.py --vocab
-50304 --bf16 --compile` against `python memory.py account --seq 1024` with the same flags (--ddp
-for the DDP run):
-
-    train.py run, per GPU        measured GiB  --compile predicted  eager predicted
-    2.7B --fsdp, batch 16               57.05        57.59 (+0.9%)    62.59 (+9.7%)
-    2.7B --fsdp --recompute 2           38.24        38.80 (+1.5%)    41.30 (+8.0%)
-    xl --fsdp, batch 8                  29.18        28.82 (-1.2%)    31.17 (+6.8%)
-    xl DDP, batch 8                     48.56        47.46 (-2.3%)    48.63 (+0.1%)
-
-NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, 2026-11-23, `python memory.py account --sweep --batch 8 --seq 1024
---vocab 50304` (eager; rows cut) and `python memory.py checkpoint --model 2.7B --batch 4 --seq 2048 --bf16`:
-
-    model / seq / dtype  predicted GiB  measured GiB  error %  measured peak phase  predicted peak moment
-    -------------------  -------------  ------------  -------  -------------------  ---------------------
-    gpt2 T=1024 bf16              5.22          5.22     -0.0              forward      forward: loss end
-    large T=1024 bf16            24.04         24.04     -0.0              forward      forward: loss end
-    xl T=1024 fp32               56.98         56.98     -0.0              forward    forward: loss chunk
-
-    checkpoint groups  predicted GiB  measured GiB (allocated)  error %  ms/step, median (min-max) of 3 rounds  vs none (paired)
-    -----------------  -------------  ------------------------  -------  -------------------------------------  --------------------
-    none                       58.86                     58.86     -0.0                 316.11 (314.90-316.18)  1.000x (1.000-1.000)
-    k=1                        40.47                     40.37     +0.2                 381.92 (380.44-385.60)  1.213x (1.204-1.220)
-    k=2                        40.93                     40.93     -0.0                 394.35 (391.05-394.55)  1.247x (1.237-1.253)
-    k=6                        43.16                     43.16     -0.0                 400.06 (399.65-400.76)  1.266x (1.264-1.273)
-    checkpoint: predicted best k=1, measured best k=1 (40.37 GiB; none: 58.86)
 """
 
 import argparse
@@ -54,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gpt import (CE_CHUNK_ROWS, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, amp_dtype, autocast, check_output_path, compare,
                  compile_model, configure_optimizer, fail, free_memory, gib, is_oom, linear_cross_entropy, make_config,
-                 print_table, resolve_device, run_main, synchronize)
+                 print_table, resolve_device, run_main, synchronize, train_step)
 
 PARTS = ("account", "checkpoint", "parallel", "snapshot")
 SWEEP_MODELS = ("gpt2", "medium", "large", "xl")  # "small" has gpt2's shape
@@ -82,23 +53,28 @@ def param_count(config):
     return config.n_layer * numel(block_shapes(config)) + numel(root_shapes(config))
 
 
-def saved_per_layer(config, B, T, a, q=4, r=4, cuda=True, compiled=False):
-    """Bytes one block saves for backward, as {what: bytes}. Eager LayerNorm saves its input, an
-    fp32 copy under autocast on CUDA; torch.compile's partitioner (see its forward graph) keeps
-    the block's input and attn.c_proj's output instead and recomputes the upcast and the residual
-    add in backward: 2 bytes less per N*d with an fp32 residual stream, 4 with FSDP's bf16 one."""
+def saved_per_layer(config, B, T, matmul_bytes, ln_bytes=4, resid_bytes=4, cuda=True, compiled=False):
+    """Bytes one block saves for backward, as {what: bytes} (widths as in `account`). Eager LayerNorm
+    saves its input, an fp32 copy under autocast on CUDA; torch.compile's partitioner (see its forward
+    graph) keeps the block's input and attn.c_proj's output instead and recomputes the upcast and the
+    residual add in backward: 2 bytes less per N*d with an fp32 residual stream, 4 with FSDP's bf16 one."""
     N, d, f, H = B * T, config.n_embd, config.d_ff, config.n_head
-    rows = {"block input + c_proj output (compiled)": (r + a) * N * d} if compiled else \
-        {"ln_1 + ln_2 inputs": 2 * q * N * d}
-    rows |= {"ln_1 + ln_2 mean, rstd": 2 * 2 * q * N,
-            "c_attn + c_fc inputs (LN outputs)": 2 * a * N * d, "q, k, v": 3 * a * N * d,
-            "attention output (c_proj input)": a * N * d, "gelu input (c_fc output)": a * N * f,
-            "mlp c_proj input (gelu output)": a * N * f}
+    if compiled:
+        saved = {"block input + c_proj output (compiled)": (resid_bytes + matmul_bytes) * N * d}
+    else:
+        saved = {"ln_1 + ln_2 inputs": 2 * ln_bytes * N * d}
+    saved |= {"ln_1 + ln_2 mean, rstd": 2 * 2 * ln_bytes * N,
+              "c_attn + c_fc inputs (LN outputs)": 2 * matmul_bytes * N * d,
+              "q, k, v": 3 * matmul_bytes * N * d,
+              "attention output (c_proj input)": matmul_bytes * N * d,
+              "gelu input (c_fc output)": matmul_bytes * N * f,
+              "mlp c_proj input (gelu output)": matmul_bytes * N * f}
     if config.attn == "naive":  # softmax's fp32 probs on CUDA under autocast, bmm's bf16 copy, the mask
-        rows["attention probs (B*H*T*T) + mask"] = B * H * T * T * (4 + 2 if (a == 2 and cuda) else a) + T * T
+        probs_bytes = 4 + 2 if (matmul_bytes == 2 and cuda) else matmul_bytes
+        saved["attention probs (B*H*T*T) + mask"] = B * H * T * T * probs_bytes + T * T
     else:  # SDPA keeps the output and the fp32 log-sum-exp, never the T x T matrix
-        rows["attention logsumexp (fp32)"] = 4 * B * H * T
-    return rows
+        saved["attention logsumexp (fp32)"] = 4 * B * H * T
+    return saved
 
 
 def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, ddp=False, compiled=False):
@@ -106,118 +82,145 @@ def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, ddp=Fals
     a DDP rank (ddp) or (world > 1) rank 0 of FSDP2: fully_shard per block then the root, bf16
     gathering when dtype is set. compiled: blocks save what torch.compile keeps (saved_per_layer);
     the fused loss, gpt.py's own chunk loop, is counted as eager runs it.
+
+    Every moment is the base, 4 * params (fp32 weights) + 8 * params (AdamW) + 16 * N (batch), plus
+    what is alive only then, each term a count of elements times its width in bytes:
+      matmul_bytes  matmul operands and what they save: 2 under autocast, else 4
+      resid_bytes   the residual stream and FSDP's gathered weights: 2 only under FSDP's bf16 compute
+      ln_bytes      LayerNorm's input and output: 4 on CUDA (autocast's fp32), the stream's width on the CPU
+    with N = B*T tokens, d = n_embd, f = d_ff, V = vocab, L = n_layer, and params those this rank holds.
     Returns moments, totals, phases ({forward|backward|optimizer: (bytes, moment)}), peak and
     peak_at, saved (bytes saved for backward beyond weights and batch), params."""
     cuda, fused, fsdp = device_type == "cuda", config.fused_ce, world > 1
-    L, d, f, V, W = config.n_layer, config.n_embd, config.d_ff, config.vocab_size, max(world, 1)
-    N, n = B * T, min(V, GPT2_VOCAB)
-    # bytes per element of: matmul operands (a: bf16 under autocast); the residual stream and the
-    # gathered weights (r: bf16 only under FSDP's mixed precision); LayerNorm's input and output
-    # (q: autocast runs LayerNorm in fp32 on CUDA, but in its input's dtype on the CPU)
-    a = 2 if dtype is not None else 4
-    r = 2 if fsdp and dtype is not None else 4
-    q = 2 if r == 2 and not cuda else 4
-    nb, sb = numel(block_shapes(config)), numel(block_shapes(config), W)
-    nr, sr = numel(root_shapes(config)), numel(root_shapes(config), W)
-    P = L * sb + sr  # parameters this rank holds
-    base = {"weights (fp32)": 4 * P, "AdamW moments + step": 8 * P + (12 * L + 4) * (512 if cuda else 4),
+    L, d, f, V, ranks = config.n_layer, config.n_embd, config.d_ff, config.vocab_size, max(world, 1)
+    N, real_vocab = B * T, min(V, GPT2_VOCAB)
+    matmul_bytes = 2 if dtype is not None else 4
+    resid_bytes = 2 if fsdp and dtype is not None else 4
+    ln_bytes = 2 if resid_bytes == 2 and not cuda else 4
+    block_numel, block_shard = numel(block_shapes(config)), numel(block_shapes(config), ranks)  # shard: this rank's
+    root_numel, root_shard = numel(root_shapes(config)), numel(root_shapes(config), ranks)
+    params = L * block_shard + root_shard
+    adamw_steps = (12 * L + 4) * (512 if cuda else 4)  # a 4-byte step per tensor; CUDA's allocator rounds to 512
+    base = {"weights (fp32)": 4 * params, "AdamW moments + step": 8 * params + adamw_steps,
             "batch (idx, targets)": 16 * N}
     if ddp:  # DDP copies every gradient into fp32 buckets for its all-reduces; they live all run
-        base["DDP gradient buckets (fp32)"] = 4 * P
-    lin = 4 * d * d + 2 * d * f  # a block's matrices: autocast makes bf16 copies of them
-    cache = a == 2 and not fsdp  # (under FSDP they arrive in bf16: no copies)
-    copies = 0 if dtype is None else (16 * d if q != r else 0) if fsdp else 2 * lin
-    per_layer = saved_per_layer(config, B, T, a, q, r, cuda, compiled)
-    full = sum(per_layer.values()) + copies
+        base["DDP gradient buckets (fp32)"] = 4 * params
+    block_matrices = 4 * d * d + 2 * d * f  # a block's matrices: autocast makes bf16 copies of them
+    weight_cache = matmul_bytes == 2 and not fsdp  # (under FSDP they arrive in bf16: no copies)
+    # under FSDP the only copies are LayerNorm's bf16 weights and biases upcast to fp32 (on CUDA)
+    autocast_copies = 0 if dtype is None else (16 * d if ln_bytes != resid_bytes else 0) if fsdp else 2 * block_matrices
+    per_layer = saved_per_layer(config, B, T, matmul_bytes, ln_bytes, resid_bytes, cuda, compiled)
+    block_saved = sum(per_layer.values()) + autocast_copies
     # checkpointed blocks: gpt.py's recompute K checkpoints every K-th block on its own; `groups` k
-    # every run of k consecutive blocks (recomputed together). seg_of: block -> first of its run
-    K, run = groups or config.recompute, groups or 1
-    seg_of = {i: s for s in range(0, L, K or L + 1) for i in range(s, min(s + run, L))} if K else {}
-    keep = [r * N * d if seg_of.get(i) == i else 0 if i in seg_of else full for i in range(L)]
+    # every run of k consecutive blocks (recomputed together). segment_of: block -> first of its run
+    every, group = groups or config.recompute, groups or 1
+    segment_of = {i: s for s in range(0, L, every or L + 1) for i in range(s, min(s + group, L))} if every else {}
+    kept = [resid_bytes * N * d if segment_of.get(i) == i else 0 if i in segment_of else block_saved
+            for i in range(L)]
 
-    def acts(b):  # while block b runs backward: the blocks below, and b's whole segment recomputed
-        s = seg_of.get(b, b)
-        held = keep[s] if b in seg_of and q != r else 0  # the segment's input, unless LayerNorm saved it
-        return sum(keep[:s]) + held + (b - s + 1) * full
+    def saved_during(b):  # while block b runs backward: the blocks below, and b's whole segment recomputed
+        first = segment_of.get(b, b)
+        held = kept[first] if b in segment_of and ln_bytes != resid_bytes else 0  # its input, unless LN saved it
+        return sum(kept[:first]) + held + (b - first + 1) * block_saved
 
-    head = q * N * d + 2 * q * N + 8 * T + (8 * d if q != r else 0)  # ln_f input, mean, rstd; positions
-    saved = sum(keep) + head
-    lm_w = r if fsdp else 4  # bytes of lm_head's weight (and so of dW) as the loss sees it
-    root = {"gathered weights: wte, wpe, ln_f": r * nr} if fsdp else {}
-    ag = r * W * sb if fsdp else 0  # one block's all-gather buffer
+    # ln_f's input, mean and rstd; the positions
+    head_saved = ln_bytes * N * d + 2 * ln_bytes * N + 8 * T + (8 * d if ln_bytes != resid_bytes else 0)
+    saved = sum(kept) + head_saved
+    lm_head_bytes = resid_bytes if fsdp else 4  # lm_head's weight (and so dW) as the loss sees it
+    root = {"gathered weights: wte, wpe, ln_f": resid_bytes * root_numel} if fsdp else {}
+    gather_buffer = resid_bytes * ranks * block_shard if fsdp else 0  # one block's all-gather buffer
     moments = {}
     if fused:  # gpt.linear_cross_entropy: dx and dW made during the forward, chunk by chunk
-        loss_saved = q * N * d + lm_w * V * d
-        rows = [min(CE_CHUNK_ROWS, N - s) for s in range(0, N, CE_CHUNK_ROWS)]
+        loss_saved = ln_bytes * N * d + lm_head_bytes * V * d
+        chunk_rows = [min(CE_CHUNK_ROWS, N - s) for s in range(0, N, CE_CHUNK_ROWS)]
         # on CUDA the Triton kernel writes each chunk's gradient over its logits, in place; the
         # CPU path makes fp32 temporaries: the upcast (under bf16), z - lse and its exp, * scale.
         # The previous chunk's logits are still referenced while the next chunk's are made.
-        temps = 0 if cuda else (8 + (4 if a != 4 else 0)) * n
-        chunk = max(a * V * c + max(a * V * p, temps * c, a * c * d) for p, c in zip([0] + rows, rows))
-        fwd = {**base, **root, "saved activations": saved, "all-gather buffer (last block)": ag,
-               "autocast's bf16 weight cache (checkpointed blocks)": len(seg_of) * 2 * lin * cache,
-               "ln_f output (+ bf16 copy)": q * N * d + (a * N * d if a != q else 0),
-               "loss: dx, dW (compute dtype), weight copy": q * N * d + a * V * d + 2 * V * d * cache}
-        moments["forward: loss chunk"] = {**fwd, "loss: chunk logits and temporaries": chunk}
-        moments["forward: loss end"] = {**fwd, "loss: last chunk's logits, per-row losses": a * V * rows[-1] + 8 * N,
-                                        "loss: dW cast to the weight's dtype": 4 * V * d if lm_w != a else 0}
+        cpu_temps = 0 if cuda else (8 + (4 if matmul_bytes != 4 else 0)) * real_vocab
+        chunk_peak = max(matmul_bytes * V * rows
+                         + max(matmul_bytes * V * prev, cpu_temps * rows, matmul_bytes * rows * d)
+                         for prev, rows in zip([0] + chunk_rows, chunk_rows))
+        ln_f_out = ln_bytes * N * d + (matmul_bytes * N * d if matmul_bytes != ln_bytes else 0)
+        fwd = {**base, **root, "saved activations": saved, "all-gather buffer (last block)": gather_buffer,
+               "autocast's bf16 weight cache (checkpointed blocks)":
+                   len(segment_of) * 2 * block_matrices * weight_cache,
+               "ln_f output (+ bf16 copy)": ln_f_out,
+               "loss: dx, dW (compute dtype), weight copy":
+                   ln_bytes * N * d + matmul_bytes * V * d + 2 * V * d * weight_cache}
+        moments["forward: loss chunk"] = {**fwd, "loss: chunk logits and temporaries": chunk_peak}
+        moments["forward: loss end"] = {
+            **fwd, "loss: last chunk's logits, per-row losses": matmul_bytes * V * chunk_rows[-1] + 8 * N,
+            "loss: dW cast to the weight's dtype": 4 * V * d if lm_head_bytes != matmul_bytes else 0}
         moments["backward start"] = {**base, **root, "saved activations": saved + loss_saved,
-                                     "loss gradients dx*g, dW*g": q * N * d + lm_w * V * d,
-                                     "all-gather buffer (prefetch)": ag}
+                                     "loss gradients dx*g, dW*g": ln_bytes * N * d + lm_head_bytes * V * d,
+                                     "all-gather buffer (prefetch)": gather_buffer}
     else:  # logits, F.cross_entropy's fp32 log-probs (saved) and, in backward, their gradients
-        loss_saved = a * N * d + 4 * N * V + 4 + 2 * V * d * cache
+        loss_saved = matmul_bytes * N * d + 4 * N * V + 4 + 2 * V * d * weight_cache
+        logits = matmul_bytes * N * V + (4 * N * V if matmul_bytes == 2 else 0)
         moments["forward end"] = {**base, **root, "saved activations": saved + loss_saved,
-                                  "logits + fp32 upcast": a * N * V + (4 * N * V if a == 2 else 0)}
+                                  "logits + fp32 upcast": logits}
         moments["backward start"] = {**base, **root, "saved activations": saved + loss_saved,
                                      "nll + log-softmax grads": 8 * N * V}
-        moments["backward: lm_head"] = {**base, **root, "saved activations": saved + loss_saved - 4 * N * V,
-                                       "logits grad + lm_head weight grad": a * N * V + (6 if a == 2 else 4) * V * d}
+        moments["backward: lm_head"] = {
+            **base, **root, "saved activations": saved + loss_saved - 4 * N * V,
+            "logits grad + lm_head weight grad": matmul_bytes * N * V + (6 if matmul_bytes == 2 else 4) * V * d}
+
     for b in range(L - 1, -1, -1):
-        m = {**base, **root, "saved activations": acts(b), "gradients": (L - 1 - b) * 4 * sb + 2 * r * d,
-             "lm_head weight gradient": lm_w * V * d, "residual gradient": r * N * d,
-             "block backward: MLP gradients": (a * N * d if a != r else 0) + a * N * f + a * d * f}
+        upcast_dx = matmul_bytes * N * d if matmul_bytes != resid_bytes else 0
+        mlp_grads = upcast_dx + matmul_bytes * N * f + matmul_bytes * d * f
+        moment = {**base, **root, "saved activations": saved_during(b),
+                  "gradients": (L - 1 - b) * 4 * block_shard + 2 * resid_bytes * d,
+                  "lm_head weight gradient": lm_head_bytes * V * d, "residual gradient": resid_bytes * N * d,
+                  "block backward: MLP gradients": mlp_grads}
         if fsdp:  # this block gathered, the next one's all-gather in flight, the last reduce-scatter kept
-            m["gathered weights: block + prefetch"] = r * nb + (ag if b else 0)
-            m["reduce-scatter input (block above)"] = 4 * W * sb if b < L - 1 else 0
+            moment["gathered weights: block + prefetch"] = resid_bytes * block_numel + (gather_buffer if b else 0)
+            moment["reduce-scatter input (block above)"] = 4 * ranks * block_shard if b < L - 1 else 0
             moments[f"backward: block {b} done"] = {  # its gradients whole, before their reduce-scatter
-                **m, "saved activations": sum(keep[:seg_of.get(b, b)]), "block backward: MLP gradients": 0,
-                "block gradients (gathered)": r * nb, "residual gradient": (2 * r + max(r, q)) * N * d}
-        moments[f"backward: block {b}"] = m
+                **moment, "saved activations": sum(kept[:segment_of.get(b, b)]), "block backward: MLP gradients": 0,
+                "block gradients (gathered)": resid_bytes * block_numel,
+                "residual gradient": (2 * resid_bytes + max(resid_bytes, ln_bytes)) * N * d}
+        moments[f"backward: block {b}"] = moment
         # c_attn's backward: only ln_1's tensors still saved, the block's other gradients made. Under
         # autocast its weight gradients come out of the matmul in bf16, cast to fp32 once dqkv is freed
-        cast, att = lm_w - a, 3 * d * d + 3 * d
+        cast_bytes, attn_params = lm_head_bytes - matmul_bytes, 3 * d * d + 3 * d
+        ln_1_saved = (ln_bytes + matmul_bytes) * N * d + 2 * ln_bytes * N
+        c_attn_grads = max(4 * matmul_bytes * N * d - cast_bytes * attn_params,
+                           matmul_bytes * N * d + matmul_bytes * 3 * d * d - cast_bytes * 3 * d if cast_bytes else 0)
         moments[f"backward: block {b} attention"] = {
-            **m, "saved activations": acts(b) - full + (q + a) * N * d + 2 * q * N, "block backward: MLP gradients": 0,
-            "block gradients but ln_1's": lm_w * (nb - 2 * d), "c_attn backward: dqkv, dx (+ bf16 gradients)":
-                max(4 * a * N * d - cast * att, a * N * d + a * 3 * d * d - cast * 3 * d if cast else 0)}
+            **moment, "saved activations": saved_during(b) - block_saved + ln_1_saved,
+            "block backward: MLP gradients": 0, "block gradients but ln_1's": lm_head_bytes * (block_numel - 2 * d),
+            "c_attn backward: dqkv, dx (+ bf16 gradients)": c_attn_grads}
     if fsdp:  # wte's gradient arrives twice (lm_head, embedding) and is summed into a third buffer
-        moments["backward end"] = {**base, **root, "gradients": L * 4 * sb + r * (nr - V * d),
-                                   "wte gradient parts + sum": 3 * r * V * d,
-                                   "reduce-scatter input (block 0)": 4 * W * sb}
-        moments["backward end: root reduce-scatter"] = {**base, "gradients": 4 * P, "reduce-scatter input": 4 * W * sr}
+        moments["backward end"] = {**base, **root,
+                                   "gradients": L * 4 * block_shard + resid_bytes * (root_numel - V * d),
+                                   "wte gradient parts + sum": 3 * resid_bytes * V * d,
+                                   "reduce-scatter input (block 0)": 4 * ranks * block_shard}
+        moments["backward end: root reduce-scatter"] = {**base, "gradients": 4 * params,
+                                                        "reduce-scatter input": 4 * ranks * root_shard}
     else:
-        moments["backward end"] = {**base, "gradients": 4 * P, "wte gradient parts + sum": 8 * V * d}
-    # fused AdamW (CUDA) updates in place; the CPU's loop over tensors makes two temporaries, each
-    # the size of the largest parameter (wte)
-    moments["optimizer step"] = {**base, "gradients": 4 * P, "AdamW temporaries (CPU)": (not cuda) * 8 * -(-V // W) * d}
+        moments["backward end"] = {**base, "gradients": 4 * params, "wte gradient parts + sum": 8 * V * d}
+    # fused AdamW (CUDA) updates in place; the CPU's loop makes two temporaries the size of wte, the largest
+    moments["optimizer step"] = {**base, "gradients": 4 * params,
+                                 "AdamW temporaries (CPU)": (not cuda) * 8 * -(-V // ranks) * d}
     totals = {k: sum(v.values()) for k, v in moments.items()}
     phases = {}
     for k, total in totals.items():  # the largest moment of each phase: forward, backward, ...
-        phases[k.split()[0].rstrip(":")] = max(phases.get(k.split()[0].rstrip(":"), (0, "")), (total, k))
+        phase = k.split()[0].rstrip(":")
+        phases[phase] = max(phases.get(phase, (0, "")), (total, k))
     peak_at = max(totals, key=totals.get)
     return {"moments": moments, "totals": totals, "phases": phases, "peak": totals[peak_at], "peak_at": peak_at,
-            "saved": saved + loss_saved, "params": P, "layer": full, "per_layer": per_layer}
+            "saved": saved + loss_saved, "params": params, "layer": block_saved, "per_layer": per_layer}
 
 
 def predict_max_batch(config, T, dtype, budget, limit=1 << 16):
-    """Largest batch whose predicted peak fits in `budget` bytes (0: not even batch 1): the peak
-    grows with the batch, so bisection finds it."""
+    """Largest batch whose predicted peak fits in `budget` bytes (0: none), by bisection: the peak grows with B."""
     lo, hi = 0, limit + 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if account(config, mid, T, dtype)["peak"] <= budget else (lo, mid)
     return lo
 
+# takeaway: the peak is 16 bytes per parameter, the saved activations and whatever short-lived buffer is alive then.
 
 # --- 2. measuring: the CUDA allocator's peak, or live tensors counted op by op on the CPU
 
@@ -283,16 +286,11 @@ def random_batch(config, B, T, device):
     return [torch.randint(0, config.vocab_size, (B, T), generator=g).to(device) for _ in range(2)]
 
 
-def step(model, opt, x, y, dtype, mark=lambda phase: None, forward=None):
-    """gpt.train_step, with mark(phase) after the forward pass, the backward pass and the update."""
-    with autocast(x.device, dtype):
-        loss = (model if forward is None else forward)(x, y)[1]  # a compiled module has no truth value
-    mark("forward")
-    loss.backward()
-    mark("backward")
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    mark("optimizer")
+def step(model, opt, x, y, dtype, mark=None, forward=None):
+    """gpt.train_step through `forward` (the model compiled, or its blocks checkpointed), mark(phase) after each."""
+    forward = model if forward is None else forward  # (a compiled module has no truth value)
+    # only the loss leaves the forward: the plain loss's logits are freed before backward, as `account` counts
+    train_step(lambda x, y: (None, forward(x, y)[1]), opt, x, y, dtype, mark=mark)
 
 
 def live_peaks(model, opt, x, y, dtype, forward=None):
@@ -344,6 +342,7 @@ def measure_step(config, B, T, dtype, device, compiled=False):
     free_memory()  # outside the except block, whose traceback holds the tensors
     return peaks
 
+# takeaway: counting live storages after every op gives memory_allocated's answer on any device, CPU included.
 
 # --- 3. account: the model against the allocator (GPU) or against live tensors (CPU)
 
@@ -440,6 +439,7 @@ def part_account(args, device):
           f"{args.recompute or 'off'}, {'compiled' if args.compile else 'eager'}; worst |error| {worst} over "
           f"{len(errors)} configurations that fit (target 10%)")
 
+# takeaway: the prediction is exact against live tensors on a CPU; on a GPU the allocator judges it (target 10%).
 
 # --- 4. checkpoint: which group size of recomputed blocks needs the least memory
 
@@ -493,6 +493,7 @@ def part_checkpoint(args, device):
     print(f"checkpoint: predicted best k={best}, measured best k={top} ({gib(measured[top]) if measured else 'n/a'} "
           f"GiB; none: {gib(measured[0]) if 0 in measured else 'OOM'})")
 
+# takeaway: checkpointing trades a block's saved activations for a recomputed forward; the group size sets the trade.
 
 # --- 5. parallel: bytes per rank under data parallelism, ZeRO-1, ZeRO-2 and FSDP (ZeRO-3)
 
@@ -539,6 +540,7 @@ def part_parallel(args, device):
     print(f"parallel: N_FSDP = {need} devices of {args.device_gb:g} GB hold {total / GB:,.0f} GB with "
           f"{args.act_gb:g} GB of activations each")
 
+# takeaway: ZeRO shards optimizer state, then gradients, then weights; only full sharding divides all 16 bytes.
 
 # --- 6. snapshot: the allocator's own record of a step, for pytorch.org/memory_viz
 
@@ -566,6 +568,7 @@ def part_snapshot(args, device):
           f"allocated; drag the file onto https://pytorch.org/memory_viz to see every allocation, its size and the "
           f"Python line that made it")
 
+# takeaway: when the model and the allocator disagree, the snapshot names every allocation and its line.
 
 # --- 7. command line
 
