@@ -4,43 +4,29 @@ A float format is a trade between range (exponent bits) and resolution (mantissa
 fp32's range with 7 mantissa bits, so it needs no loss scaling but accumulates badly; fp16 has
 3 more mantissa bits but a range that gradients fall out of, hence GradScaler; TF32 is fp32 storage
 fed to the tensor cores with a 10-bit mantissa; FP8 (e4m3, e5m2) needs a scale per tensor or per
-row, and pays only where the GEMM saves more than the casts cost. Each section runs alone and ends
-with one line saying what its numbers show.
+row, and pays only where the GEMM saves more than the casts cost. Each section ends with a takeaway.
 
     python precision.py                         # every section the machine supports
     python precision.py --only accumulate,layernorm
     python precision.py --only tf32 --model gpt2 --batch 8 --seq 1024
     python precision.py --only mixed --models tiny,gpt2 --rounds 10
     python precision.py --only fp8              # H100/H200: which Linear layers gain from FP8
-
-Sections: formats, accumulate, autocast, layernorm, tf32, gradscaler and mixed (CUDA), fp8 (speed: H100/H200).
-Timings come from gpt.py's timer (variants interleaved in rounds): median (min-max), paired ratios.
-
-Excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-23), `python precision.py --only fp8`,
-one of the five GPT-2 shapes: the bare FP8 GEMM is 1.6x faster, the casts around it cost 5x more.
-
-    GEMMs x @ w^T, 16384 tokens, bf16 out, 10 rounds of 10
-    layer        M x K x N        GEMM              ms, median (min-max)  TFLOP/s  time vs bf16 (paired)
-    -----------  ---------------  ----------------  --------------------  -------  ---------------------
-    mlp.c_fc      16384x768x3072              bf16   0.121 (0.120-0.123)      641   1.000x (1.000-1.000)
-    mlp.c_fc      16384x768x3072    fp8 tensorwise   0.075 (0.075-0.084)     1031   0.621x (0.607-0.701)
-    mlp.c_fc      16384x768x3072      fp8 row-wise   0.084 (0.084-0.096)      917   0.702x (0.682-0.788)
-    mlp.c_fc      16384x768x3072  fp8 + both casts   0.364 (0.323-0.434)      213   3.027x (2.615-3.620)
 """
 
 import argparse
 import copy
 import math
 from collections import OrderedDict
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt import (E4M3, E5M2, FP8_LAYERS, FP8_MIN_WIDTH, Fp8Linear, GPT, GPT2_VOCAB, autocast, compare, compile_model,
-                 configure_optimizer, fail, fp8_mm, fp8_supported, free_memory, gib, is_oom, load_tokens, make_config,
-                 print_table, resolve_device, round_up, run_main, set_tf32, summarize, synchronize, time_rounds, to_fp8,
-                 train_step, use_fp8)
+                 configure_optimizer, fail, fp8_mm, fp8_supported, free_memory, gib, is_oom, lazily, load_tokens,
+                 make_config, print_table, resolve_device, round_up, run_main, set_tf32, summarize, synchronize,
+                 time_rounds, to_fp8, train_step, use_fp8)
 
 SECTIONS = ("formats", "accumulate", "autocast", "layernorm", "tf32", "gradscaler", "mixed", "fp8")
 CUDA_ONLY = ("gradscaler", "mixed")
@@ -79,6 +65,7 @@ def section_formats(args, device):
           "bits; fp16 buys 3 more bits of resolution with a range that ends at 65504; FP8 spans so few "
           "binades that every tensor needs its own scale.")
 
+# takeaway: exponent bits buy range, mantissa bits resolution; bf16 gives up resolution to keep fp32's range.
 
 # --- 2. accumulate: why a low-precision running sum stops growing
 def ulp(x, dtype):
@@ -131,6 +118,7 @@ def section_accumulate(args, device):
           "returns the sum unchanged (fp16 and bf16 stall); an fp32 sum of fp16/bf16 addends only "
           "inherits the addend's rounding, unless promotion makes the sum fp16 (x[i:i+1]).")
 
+# takeaway: accumulate in fp32; low-precision addends then cost only their own rounding.
 
 # --- 3. autocast: which dtype each op really produced
 def autocast_dtypes(device, dtype, batch=32):
@@ -174,6 +162,7 @@ def section_autocast(args, device):
           "matmuls run in the low dtype, reductions like the loss stay in fp32, and backward "
           "mirrors the forward's dtypes.")
 
+# takeaway: autocast casts per op; parameters, their gradients and reductions stay fp32.
 
 # --- 4. layernorm: where low-precision statistics break
 def layernorm_in(x, dtype, eps=1e-5):
@@ -215,6 +204,7 @@ def section_layernorm(args, device):
           "a small variance under a large mean (E[x^2] - E[x]^2 cancels), so statistics belong in "
           "fp32, as torch's LayerNorm kernel and autocast keep them.")
 
+# takeaway: normalization statistics belong in fp32, whatever the activations' dtype.
 
 # --- 5. tf32: matmul speed and error, and what TF32 does to memory
 MATMUL_MODES = ("fp32 ieee", "tf32", "bf16", "fp16")
@@ -304,6 +294,7 @@ def section_tf32(args, device):
           "cuBLAS workspaces {:+.1f} MiB, device used {:+.1f} MiB; TF32 changes how fp32 inputs "
           "are rounded inside the matmul, not what is stored.".format(*diff))
 
+# takeaway: TF32 rounds a matmul's fp32 inputs; it changes speed and error, not what is stored.
 
 # --- 6. gradscaler: fp16 gradients that vanish without loss scaling
 def gradscaler_run(dtype, use_scaler, tokens, args, device):
@@ -350,27 +341,22 @@ def section_gradscaler(args, device):
           "anything below 6e-8 to zero, the scaler multiplies the loss to keep such gradients "
           "representable (skipping a step when they overflow), bf16's fp32-sized range needs neither.")
 
+# takeaway: fp16 needs a loss scale to keep small gradients representable; bf16's range does not.
 
 # --- 7. mixed: what each precision buys per training step
 MIXED_MODES = (("fp32", None, False), ("tf32", None, True), ("bf16 autocast", torch.bfloat16, False),
                ("fp16 autocast + scaler", torch.float16, False))
 
 
-def mixed_variant(config, T, dtype, tf32, args, device):
-    """A variant for gpt.time_rounds that builds its model at its first call, inside the timer's
-    warm-up (an out-of-memory there marks this row alone), and notes what the other rows held
-    then: the timer's peak is process-wide, this row's own is peak - held."""
-    state = {}
+def mixed_step(config, T, dtype, tf32, args, device):
+    """One precision's training step, its model built when gpt.lazily first calls this (in the timer's
+    warm-up, where an out-of-memory marks this row alone)."""
+    model, optimizer, x = seeded_model(config, args.batch, T, device)
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     def step():
-        if not state:
-            state["held"] = torch.cuda.memory_allocated(device)
-            state["run"] = seeded_model(config, args.batch, T, device), \
-                torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-        (model, optimizer, x), scaler = state["run"]
         set_tf32(tf32)  # autocast rows keep TF32 off: their matmuls are already bf16/fp16
         train_step(model, optimizer, x, x, dtype, scaler)
-    step.state = state
     return step
 
 
@@ -379,11 +365,13 @@ def section_mixed(args, device):
     for model_name in args.models:
         config = make_config(model_name)
         T = min(args.seq, config.block_size)
-        variants = {mode: mixed_variant(config, T, dtype, tf32, args, device) for mode, dtype, tf32 in MIXED_MODES}
+        variants = {mode: lazily(partial(mixed_step, config, T, dtype, tf32, args, device), device)
+                    for mode, dtype, tf32 in MIXED_MODES}
         print(f"  {model_name}: {len(variants)} precisions, {args.rounds} rounds", flush=True)
         times, peaks = time_rounds(variants, device, args.rounds, args.steps)
         set_tf32(False)
-        stats = summarize(times, "fp32", {m: p - variants[m].state["held"] for m, p in peaks.items()})
+        # the timer's peak is process-wide: a row's own is that minus what the other rows held then
+        stats = summarize(times, "fp32", {m: p - variants[m].state["others"] for m, p in peaks.items()})
         for mode, t in stats.items():
             rows.append([f"{model_name} B={args.batch} T={T}", mode] + (["OOM"] * 4 if t is None else
                         [t.ms(1), f"{args.batch * T / t.median:.1f}", gib(t.peak), t.vs()]))
@@ -399,6 +387,7 @@ def section_mixed(args, device):
     print(f"takeaway: bf16 autocast against fp32: {'; '.join(gains) or 'n/a'}; mixed precision pays "
           "where large matmuls dominate the step, much less where launches and casts do.")
 
+# takeaway: mixed precision pays where large matmuls dominate the step.
 
 # --- 8. fp8: two 8-bit formats, a scale per tensor or per row, and where the GEMM pays
 # e4m3 (3 mantissa bits, max 448) for weights and activations, e5m2 (2 bits, twice the binades)
@@ -555,11 +544,12 @@ def section_fp8(args, device):
           "a line drawn by timing whole compiled blocks); the bare FP8 GEMM is the ceiling, the casts what "
           "it must beat.")
 
+# takeaway: FP8 pays only where the GEMM's saving beats the casts around it.
 
 # --- main
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default=",".join(SECTIONS), help="comma list of sections")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of sections: {', '.join(SECTIONS)}")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--model", default="gpt2", help="model of the TF32 step (5), FP8 tensors and shapes (8)")
     parser.add_argument("--models", default="tiny,gpt2", help="comma list of models for section 7")
