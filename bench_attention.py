@@ -2,128 +2,69 @@
 
 Naive attention materialises the S x S score and probability matrices for every batch element
 and head, and autograd keeps the probabilities for backward, so its memory grows as S^2 and long
-sequences run out of memory; fused kernels (SDPA's flash / cuDNN / mem-efficient backends, our
-Triton kernel) keep only O(S) statistics and recompute the rest in backward. This script measures
-both the time and the memory, and checks the S^2 arithmetic against the allocator.
+sequences run out of memory; fused kernels (SDPA's flash / cuDNN / mem-efficient backends, the
+Triton kernel) keep only O(S) statistics and recompute the rest in backward. The implementations
+are gpt.py's own (causal, as the model uses them), plus naive attention under torch.compile.
 
     python bench_attention.py                          # batch 8, 1 head, D 16..128 x S 256..16384, bf16
-    python bench_attention.py --dtype fp32 --causal    # the same sweep in fp32, causal
+    python bench_attention.py --dtype fp32             # the same sweep in fp32
     python bench_attention.py --impl naive,flash --d 64 --seq 1024,4096
     python bench_attention.py --memory-fraction 0.05   # cap the GPU memory to see OOM cells
-    python bench_attention.py --suite flash --d 64     # batch 1, causal, S 128..65536, do_bench, TFLOP/s
     python bench_attention.py --d 64 --plot attention.png   # ms and peak memory against S
-
-Implementations: naive (eager PyTorch), compiled (the same function under torch.compile, one graph
-per head dim with the sequence length dynamic; a cell is marked * where the profiler saw that
-Inductor replaced the function with an SDPA kernel), flash / cudnn / efficient / math (SDPA
-pinned to one backend, so a backend that cannot run the input is n/a instead of silently falling
-back), triton (flash_attention from flash_triton.py). On a CPU the defaults shrink to a tiny
-sweep that finishes in seconds.
-
-Sweep times are gpt.py's one timer: the implementations run interleaved in rounds, each cell is
-the median over rounds with its min-max, and the ratio column is the median of per-round ratios
-to --baseline (paired). The flash suite times single kernels with triton.testing.do_bench.
-
-No GPU sweep has been run with this version of the script (the timer changed on 2026-11-23); on a
-CPU (torch 2.13.0, 2026-11-23) `python bench_attention.py` runs a tiny sweep, e.g. its last lines:
-
-    naive attention memory, MiB, B=2 H=1 bf16
-    D   S    saved pred  saved hooks
-    --  ---  ----------  -----------
-    32  128        0.11         0.11
-    summary: D=32 S=128 bf16, forward+backward median ms (vs flash): naive 0.591 ms (0.882x (0.570-0.915)), ...
 """
 
 import argparse
-import math
 import os
 import re
-import statistics
 
 import torch
-import torch.nn.functional as F
 
-from gpt import (SDPA_BACKENDS, compare, fail, free_memory, gib, is_oom, plot_to, print_table, resolve_device, run_main,
-                 synchronize, time_rounds)
+from gpt import (ATTENTION, GPU_ONLY_ATTENTION, SDPA_BACKENDS, compare, fail, free_memory, gib, is_oom,
+                 naive_attention, plot_to, print_table, resolve_device, run_main, synchronize)
 
-IMPLS = ("naive", "compiled", *SDPA_BACKENDS, "triton")
-SUITE_IMPLS = ("triton", "naive", *SDPA_BACKENDS)
+IMPLS = (*ATTENTION, "compiled")
+DEFAULT_IMPLS = ("naive", "compiled", *SDPA_BACKENDS, "triton")  # "sdpa" runs one of these: ask for it by name
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-GPU_SWEEP = dict(batch=8, heads=1, d=[16, 32, 64, 128], seq=[256, 1024, 4096, 8192, 16384], rounds=10, steps=5, warmup=3)
+GPU_SWEEP = dict(batch=8, heads=1, d=[16, 32, 64, 128], seq=[256, 1024, 4096, 8192, 16384], rounds=10, steps=5,
+                 warmup=3)
 CPU_SWEEP = dict(batch=2, heads=1, d=[16, 32], seq=[64, 128], rounds=3, steps=2, warmup=1)
-GPU_SUITE = dict(batch=1, heads=1, d=[16, 32, 64, 128], seq=[2**i for i in range(7, 17)])
-CPU_SUITE = dict(batch=1, heads=1, d=[16, 32], seq=[128, 256])
 MIB = 2**20
 
-# --- 1. the implementations
+# --- 1. the implementations: gpt.py's registry, and naive attention compiled
 
 
-def naive_attention(q, k, v, causal=False):
-    """Attention written out, on (..., S, D) tensors. gpt.naive_attention is always causal; the
-    classic exercise is not, so this one takes a flag. The scale is a Python float on purpose:
-    multiplying by a number saves nothing for backward (the gradient is just grad * scale)."""
-    S = q.size(-2)
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
-    if causal:
-        future = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    return scores.softmax(dim=-1) @ v
-
-
-def sdpa_backend(name, causal):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = getattr(SDPBackend, SDPA_BACKENDS[name])
-
-    def run(q, k, v):
-        # Pinned to one backend: if it cannot take these inputs SDPA raises ("No available
-        # kernel") instead of quietly running another backend under this column's name.
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    return run
-
-
-def triton_attention(causal, device):
-    """flash_attention from flash_triton.py, or a string saying why it cannot run here."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "needs CUDA (or TRITON_INTERPRET=1)"
-    try:
-        from flash_triton import flash_attention
-    except Exception as e:  # a missing file or a kernel module that does not import: no column
-        return f"unavailable: flash_triton.py does not import ({type(e).__name__}: {e})"
-    return lambda q, k, v: flash_attention(q, k, v, causal=causal)
-
-
-def make_impls(names, causal, device):
-    """name -> callable(q, k, v), or name -> reason string when it cannot run on this machine."""
+def make_impls(names, device):
+    """name -> callable(q, k, v) from gpt.ATTENTION, or name -> reason string when it cannot run here.
+    SDPA pinned to one backend (flash, cudnn, efficient, math) raises when that backend cannot take
+    the inputs: the cell says n/a instead of timing another backend under this column's name."""
     impls = {}
     for name in names:
-        if name == "naive":
-            impls[name] = lambda q, k, v: naive_attention(q, k, v, causal)
-        elif name == "compiled":
-            # One graph per head dim, with the sequence length symbolic: a compile per (D, S)
-            # would cost more GPU time than the measurements. D must stay static (automatic
-            # dynamic shapes would make it symbolic on the first recompile): the scale 1/sqrt(D)
-            # would then be a symbol and Inductor's SDPA pattern stops matching.
-            config = torch._dynamo.config
-            config.automatic_dynamic_shapes = False
-            setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", 64)
-            compiled = torch.compile(naive_attention)
-            impls[name] = lambda q, k, v: compiled(*seq_dynamic(q, k, v), causal)
-        elif name == "triton":
-            impls[name] = triton_attention(causal, device)
-        elif device.type != "cuda" and name in ("cudnn", "efficient"):
-            impls[name] = "needs CUDA"
+        interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"  # the kernels in numpy
+        if name == "compiled":
+            impls[name] = compiled_naive()
+        elif device.type != "cuda" and name in GPU_ONLY_ATTENTION and not interpreted:
+            impls[name] = "needs CUDA" + (" (or TRITON_INTERPRET=1)" if name == "triton" else "")
         else:
-            impls[name] = sdpa_backend(name, causal)  # flash and math also have CPU kernels
+            impls[name] = ATTENTION[name]  # flash and math also have CPU kernels
     return impls
 
 
-def seq_dynamic(*tensors):
-    for t in tensors:
-        torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2)  # the sequence dimension
-    return tensors
+def compiled_naive():
+    """gpt.naive_attention under torch.compile, one graph per head dim with the sequence length
+    symbolic: a compile per (D, S) would cost more GPU time than the measurements. D must stay
+    static (automatic dynamic shapes would make it symbolic on the first recompile): the scale
+    1/sqrt(D) would then be a symbol and Inductor's SDPA pattern stops matching. A cell is marked
+    * where the profiler saw that Inductor replaced the function with an SDPA kernel."""
+    config = torch._dynamo.config
+    config.automatic_dynamic_shapes = False
+    setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", 64)
+    compiled = torch.compile(naive_attention)
+
+    def run(q, k, v):
+        for t in (q, k, v):
+            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2)  # the sequence dimension
+        return compiled(q, k, v)
+    return run
 
 
 def random_qkv(B, H, S, D, dtype, device, seed=0):
@@ -131,19 +72,20 @@ def random_qkv(B, H, S, D, dtype, device, seed=0):
     q, k, v, dout = (torch.randn(B, H, S, D, dtype=dtype, device=device, generator=gen) for _ in range(4))
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout
 
+# takeaway: one registry of implementations, the model's; a benchmark adds only what it measures.
 
 # --- 2. what naive attention keeps for backward, predicted and measured
 
 
-def naive_saved_bytes(B, H, S, D, dtype, causal):
-    """Bytes autograd saves for backward in naive_attention, from the shapes alone.
+def naive_saved_bytes(B, H, S, D, dtype):
+    """Bytes autograd saves for backward in gpt.naive_attention, from the shapes alone.
     q @ k^T saves q and k (views, no copies); `* scale` by a Python float saves nothing;
     masked_fill saves only its bool S x S mask (one per call, broadcast over B and H);
     softmax saves its *output* (its backward needs only the probabilities), and probs @ v saves
     the same probabilities plus v. So the raw and scaled scores are never saved: one B*H*S*S
     matrix, not two, is what stays alive from forward to backward."""
     e = dtype.itemsize
-    return 3 * B * H * S * D * e + B * H * S * S * e + (S * S if causal else 0)
+    return 3 * B * H * S * D * e + B * H * S * S * e + S * S
 
 
 def measure_saved_bytes(fn, *inputs):
@@ -162,16 +104,16 @@ def measure_saved_bytes(fn, *inputs):
     return sum(storages.values())
 
 
-def naive_peak_bytes(B, H, S, D, dtype, causal):
+def naive_peak_bytes(B, H, S, D, dtype):
     """Allocated bytes above the inputs at naive attention's high-water mark, which is in
     backward: the saved probabilities, their gradient (dout @ v^T), the softmax backward's output
     (the score gradient) and that gradient times the scale (the mul's backward makes a new
-    tensor) are four B*H*S*S tensors alive at once, plus the output, dv and the mask. Four is
-    what the H100 sweep measured (non-causal); with three, the prediction fell short by one S*S
-    matrix. (Forward peaks at two: scores and probabilities.)"""
+    tensor) are four B*H*S*S tensors alive at once, plus the output, dv and the mask. (Counting
+    three, a prediction falls short of the allocator by one S*S matrix; forward peaks at two.)"""
     e = dtype.itemsize
-    return 4 * B * H * S * S * e + 2 * B * H * S * D * e + (S * S if causal else 0)
+    return 4 * B * H * S * S * e + 2 * B * H * S * D * e + S * S
 
+# takeaway: naive attention keeps one B*H*S*S probability matrix for backward; its backward holds four at once.
 
 # --- 3. measuring one configuration: memory (allocator) here, time with gpt.py's timer
 
@@ -241,6 +183,7 @@ def guarded(work, device):
     free_memory()
     return cell
 
+# takeaway: memory is read around one backward by the allocator; time comes from the one interleaved timer.
 
 # --- 4. the default sweep: tables of time and memory
 
@@ -270,8 +213,8 @@ def run_sweep(args, impls, device, dtype):
         results[(D, S)] = row
         del q, k, v, dout
         free_memory()
-        print(f"[{i}/{len(configs)}] D={D} S={S}: " + ", ".join(f"{n} {c if isinstance(c, str) else 'n/a' if isinstance(c, tuple) else 'ok'}"
-                                                             for n, c in row.items()), flush=True)
+        status = {n: c if isinstance(c, str) else "n/a" if isinstance(c, tuple) else "ok" for n, c in row.items()}
+        print(f"[{i}/{len(configs)}] D={D} S={S}: " + ", ".join(f"{n} {c}" for n, c in status.items()), flush=True)
     return results, notes
 
 
@@ -289,13 +232,15 @@ def print_sweep(results, notes, impls, device, args):
     rounds = f"median (min-max) over {args.rounds} rounds of {args.steps} steps, implementations interleaved"
     tables = [(f"forward, ms: {rounds}", timing("fwd", lambda t: t.ms(3))),
               (f"forward+backward, ms: {rounds}", timing("both", lambda t: t.ms(3))),
-              (f"forward+backward vs {args.baseline}: median of the per-round ratios (min-max)", timing("both", lambda t: t.vs()))]
+              (f"forward+backward vs {args.baseline}: median of the per-round ratios (min-max)",
+               timing("both", lambda t: t.vs()))]
     if device.type == "cuda":
         tables.append(("memory allocated just before backward / peak during forward+backward, MiB",
                        lambda c: f"{c['before'] / MIB:.0f} / {c['peak'] / MIB:.0f}" + ("*" if rewritten(c) else "")))
     for title, show in tables:
         print(f"\n{title}")
-        print_table(["D", "S", *names], [[D, S, *(fmt_cell(row[n], show) for n in names)] for (D, S), row in results.items()])
+        print_table(["D", "S", *names],
+                    [[D, S, *(fmt_cell(row[n], show) for n in names)] for (D, S), row in results.items()])
     for name, reason in notes.items():
         print(f"n/a {name}: {reason}")
     cells = [row["compiled"] for row in results.values() if isinstance(row.get("compiled"), dict)]
@@ -305,7 +250,8 @@ def print_sweep(results, notes, impls, device, args):
             print(f"* compiled: Inductor rewrote the naive attention into SDPA in {sum(map(rewritten, cells))} of"
                   f" {len(cells)} configurations; the profiler saw {', '.join(ops)}")
         else:
-            print("compiled: no SDPA op in the profile of any configuration: Inductor kept matmul, fused softmax, matmul")
+            print("compiled: no SDPA op in the profile of any configuration: Inductor kept matmul, fused softmax, "
+                  "matmul")
 
 
 def plot_sweep(results, impls, path, ms, memory):
@@ -328,24 +274,24 @@ def plot_sweep(results, impls, path, ms, memory):
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
 
+# takeaway: fused kernels grow linearly in S where naive attention grows as S^2, and that is where it breaks.
 
 # --- 5. memory accounting for naive attention: prediction vs measurement, and where it breaks
 
 
 def print_memory_accounting(results, args, dtype, device):
-    print(f"\nnaive attention memory, MiB, B={args.batch} H={args.heads} {args.dtype}{' causal' if args.causal else ''}")
+    print(f"\nnaive attention memory, MiB, B={args.batch} H={args.heads} {args.dtype} causal")
     rows, prev = [], {}
     for (D, S), row in results.items():
-        saved = naive_saved_bytes(args.batch, args.heads, S, D, dtype, args.causal)
-        hooked = guarded(lambda: measure_saved_bytes(lambda q, k, v: naive_attention(q, k, v, args.causal),
-                                                     *random_qkv(args.batch, args.heads, S, D, dtype, device)[:3]),
-                         device)
+        saved = naive_saved_bytes(args.batch, args.heads, S, D, dtype)
+        qkv = lambda: random_qkv(args.batch, args.heads, S, D, dtype, device)[:3]
+        hooked = guarded(lambda: measure_saved_bytes(naive_attention, *qkv()), device)
         out_bytes = args.batch * args.heads * S * D * dtype.itemsize
         cells = [D, S, f"{saved / MIB:.2f}", fmt_cell(hooked, lambda b: f"{b / MIB:.2f}")]
         cell = row.get("naive")
         if device.type == "cuda":
             residue = saved - 2 * out_bytes  # q, k, v existed before; the output is new
-            peak = naive_peak_bytes(args.batch, args.heads, S, D, dtype, args.causal)
+            peak = naive_peak_bytes(args.batch, args.heads, S, D, dtype)
             cells += [f"{residue / MIB:.2f}", fmt_cell(cell, lambda c: f"{c['residue'] / MIB:.2f}"),
                       fmt_cell(cell, lambda c: f"{S * S / prev[D][0] ** 2:.0f}x / {c['residue'] / prev[D][1]:.1f}x"
                                if D in prev else "-"),
@@ -370,7 +316,7 @@ def print_first_oom(results, args, dtype, device):
     attention cannot fit, for the smallest head dimension of the sweep."""
     total = torch.cuda.get_device_properties(device).total_memory * (args.memory_fraction or 1.0)
     B, H, D, e = args.batch, args.heads, min(args.d), dtype.itemsize
-    need = lambda S: 4 * B * H * S * D * e + naive_peak_bytes(B, H, S, D, dtype, args.causal)  # + q,k,v,dout
+    need = lambda S: 4 * B * H * S * D * e + naive_peak_bytes(B, H, S, D, dtype)  # + q,k,v,dout
     S = 128
     while need(S) <= total:
         S *= 2
@@ -383,68 +329,9 @@ def print_first_oom(results, args, dtype, device):
     print(f"measured: naive ran out of memory at {', '.join(f'D={d} S={s}' for d, s in measured)}" if measured
           else "measured: naive did not run out of memory in this sweep")
 
+# takeaway: the S^2 arithmetic predicts the allocator's figures and the first sequence length that cannot fit.
 
-# --- 6. --suite flash: latency and TFLOP/s with triton.testing.do_bench
-
-
-def attention_flops(B, H, S, D, causal):
-    """FlashAttention's convention: forward 4·B·H·S²·D (two matmuls), halved when causal; the
-    backward counts 2.5x the forward (five matmuls, one recomputed)."""
-    return 4 * B * H * S * S * D / (2 if causal else 1)
-
-
-def suite_ms(fn, device):
-    """Median ms of fn(): do_bench on a GPU (it warms up, flushes the L2 cache between calls and
-    syncs); on a CPU, gpt.py's timer with this one variant."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, return_mode="median")
-    return statistics.median(time_rounds({"fn": fn}, device, rounds=5, steps=1, warmup=1)[0]["fn"])
-
-
-def bench_suite_config(fn, B, H, S, D, dtype, device):
-    q, k, v, dout = random_qkv(B, H, S, D, dtype, device)
-    return {"fwd": suite_ms(lambda: fn(q, k, v), device),
-            "fwd+bwd": suite_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout), device)}
-
-
-def run_suite(args, impls, device, dtypes):
-    B, H = args.batch, args.heads
-    for dtype_name in dtypes:
-        dtype = DTYPES[dtype_name]
-        results, notes, broke = {}, {}, set()
-        for D in args.d:
-            for S in args.seq:
-                row = {}
-                for name, fn in impls.items():
-                    if isinstance(fn, str):
-                        row[name] = ("n/a", fn)
-                    elif (name, D) in broke:
-                        row[name] = "skip"  # out of memory at a shorter S already: longer cannot fit
-                    else:
-                        row[name] = guarded(lambda: bench_suite_config(fn, B, H, S, D, dtype, device), device)
-                        if row[name] == "OOM":
-                            broke.add((name, D))
-                    if isinstance(row[name], tuple):
-                        notes.setdefault(name, row[name][1])
-                results[(D, S)] = row
-                print(f"{dtype_name} D={D} S={S}: " + ", ".join(
-                    f"{n} {c if isinstance(c, str) else 'n/a' if isinstance(c, tuple) else 'ok'}" for n, c in row.items()),
-                    flush=True)
-        for mode, factor in (("fwd", 1.0), ("fwd+bwd", 3.5)):
-            print(f"\n{dtype_name} {mode}, B={B} H={H} causal: median ms (TFLOP/s, FA convention)")
-            show = lambda c, D, S: f"{c[mode]:.3f} ({factor * attention_flops(B, H, S, D, True) / c[mode] / 1e9:.3g})"
-            print_table(["D", "S", *impls], [[D, S, *(fmt_cell(row[n], lambda c: show(c, D, S)) for n in impls)]
-                                             for (D, S), row in results.items()])
-        for name, reason in notes.items():
-            print(f"n/a {name}: {reason}")
-        print("skip: out of memory at a shorter sequence. TFLOP/s counts causal work (halved) for every impl: naive"
-              " and math compute the full S x S, so they show at most half their matmul rate.")
-        yield dtype_name, results
-
-
-# --- 7. main
+# --- 6. main
 
 
 def parse_list(text, flag):
@@ -458,17 +345,16 @@ def parse_list(text, flag):
 
 
 def parse_args(argv):
-    """Flags, defaults by device and suite, and every range checked: ValueError in one sentence."""
+    """Flags, defaults by device, and every range checked: ValueError in one sentence."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=["sweep", "flash"], default="sweep")
-    p.add_argument("--impl", help=f"comma-separated, from {','.join(IMPLS)}")
+    p.add_argument("--impl", help=f"comma-separated, from {','.join(IMPLS)} (default: all but sdpa)")
     p.add_argument("--baseline", help="implementation the ratio column divides by (default flash, else the first)")
     p.add_argument("--d", help="head dimensions, comma-separated")
     p.add_argument("--seq", help="sequence lengths, comma-separated")
     p.add_argument("--batch", type=int)
     p.add_argument("--heads", type=int)
-    p.add_argument("--dtype", choices=list(DTYPES), help="sweep default bf16; suite default bf16 and fp32")
-    p.add_argument("--causal", action="store_true", help="causal mask (the flash suite is always causal)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--causal", action="store_true", help="the default and only mask: gpt.py's attention is causal")
     p.add_argument("--rounds", type=int, help="rounds of the interleaved timer (GPU default 10)")
     p.add_argument("--steps", type=int, help="steps per implementation per round (GPU default 5)")
     p.add_argument("--warmup", type=int, help="untimed steps per implementation first")
@@ -477,9 +363,8 @@ def parse_args(argv):
     p.add_argument("--plot", help="draw ms and peak memory against S into this PNG (needs matplotlib)")
     args = p.parse_args(argv)
     args.device = resolve_device(args.device)
-    suite = args.suite == "flash"
-    defaults = (GPU_SUITE if suite else GPU_SWEEP) if args.device.type == "cuda" else (CPU_SUITE if suite else CPU_SWEEP)
-    names = args.impl.split(",") if args.impl else list(SUITE_IMPLS if suite else IMPLS)
+    defaults = GPU_SWEEP if args.device.type == "cuda" else CPU_SWEEP
+    names = args.impl.split(",") if args.impl else list(DEFAULT_IMPLS)
     if unknown := [n for n in names if n not in IMPLS]:
         raise ValueError(f"unknown implementation '{unknown[0]}'; choose from {', '.join(IMPLS)}")
     args.impl = names
@@ -492,7 +377,8 @@ def parse_args(argv):
         if getattr(args, flag) is None:
             setattr(args, flag, defaults.get(flag, 1))
         if getattr(args, flag) < (0 if flag == "warmup" else 1):
-            raise ValueError(f"--{flag} must be {'non-negative' if flag == 'warmup' else 'at least 1'}, got {getattr(args, flag)}")
+            must = "non-negative" if flag == "warmup" else "at least 1"
+            raise ValueError(f"--{flag} must be {must}, got {getattr(args, flag)}")
     if args.memory_fraction is not None:
         if args.device.type != "cuda":
             raise ValueError("--memory-fraction caps GPU memory and needs a CUDA device")
@@ -508,27 +394,17 @@ def main(argv=None):
         args = parse_args(argv)
     except ValueError as e:
         fail(str(e))
-    device, suite = args.device, args.suite == "flash"
+    device, dtype = args.device, DTYPES[args.dtype]
     if args.memory_fraction is not None:
         # The caching allocator raises OutOfMemoryError past this fraction of the GPU's memory.
         torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
     where = (f"{torch.cuda.get_device_name(device)}" if device.type == "cuda"
              else "CPU: no CUDA GPU, so a tiny sweep that finishes in seconds instead of the GPU default")
-    print(f"{where}; torch {torch.__version__}; batch {args.batch}, heads {args.heads}, D {args.d}, S {args.seq}"
-          + ("" if suite else f"; {args.rounds} rounds of {args.steps} steps after {args.warmup} warm-up"))
+    print(f"{where}; torch {torch.__version__}; batch {args.batch}, heads {args.heads}, D {args.d}, S {args.seq}; "
+          f"{args.rounds} rounds of {args.steps} steps after {args.warmup} warm-up")
+    print(f"{args.dtype}, causal; fp32 matmuls use torch's default (TF32 off)")
     try:
-        if suite:
-            dtypes = [args.dtype] if args.dtype else ["bf16", "fp32"]
-            for dtype_name, results in run_suite(args, make_impls(args.impl, True, device), device, dtypes):
-                pass
-            if args.plot:
-                plot_sweep(results, args.impl, args.plot, lambda c: c["fwd+bwd"], memory=False)
-            print(suite_summary(dtype_name, results))
-            return
-        args.dtype = args.dtype or "bf16"
-        dtype = DTYPES[args.dtype]
-        print(f"{args.dtype}{', causal' if args.causal else ', not causal'}; fp32 matmuls use torch's default (TF32 off)")
-        impls = make_impls(args.impl, args.causal, device)
+        impls = make_impls(args.impl, device)
         results, notes = run_sweep(args, impls, device, dtype)
         print_sweep(results, notes, impls, device, args)
         if "naive" in impls:
@@ -549,13 +425,6 @@ def sweep_summary(results, args):
     ooms = [n for n, c in row.items() if c == "OOM" or (isinstance(c, dict) and c.get("both") is None)]
     return (f"summary: D={D} S={S} {args.dtype}, forward+backward median ms (vs {args.baseline}): "
             f"{text or 'no implementation ran'}" + (f"; OOM: {', '.join(ooms)}" if ooms else ""))
-
-
-def suite_summary(dtype_name, results):
-    (D, S), row = list(results.items())[-1]
-    done = sorted(((c["fwd+bwd"], n) for n, c in row.items() if isinstance(c, dict)))
-    text = ", ".join(f"{n} {ms:.3f} ms" for ms, n in done) or "no implementation ran"
-    return f"summary: {dtype_name} causal D={D} S={S}, forward+backward median: {text}"
 
 
 if __name__ == "__main__":
