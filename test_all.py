@@ -1,72 +1,68 @@
-"""The one test command: `python test_all.py` (or `pytest test_all.py`).
+"""The one test command: `python test_all.py` (or `pytest test_all.py`); `--help` lists the tests. CPU tests run
+everywhere; those marked @gpu only where CUDA exists, each in a process of its own. Tests assert behaviour (agreement
+with a reference, a loss that goes down, a clear error on bad input), never timings."""
 
-CPU smoke and correctness tests run everywhere; tests marked with @gpu run only when CUDA is
-present. Tests assert behaviour (agreement with a reference, a loss that goes down, a clear error
-on bad input), never timings. The last line printed is `N passed, N failed`.
-"""
-
-import os
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-import traceback
+import contextlib, functools, importlib.util, io, json, math, os, re, shlex, signal, subprocess, sys  # noqa: E401
+import tempfile, threading, time, traceback, types, unittest.mock  # noqa: E401
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-HAS_CUDA = torch.cuda.is_available()
+import bench_attention as ba, bench_e2e, ddp, gpt, memory, precision, train  # noqa: E401, E402
 
+HAS_CUDA = torch.cuda.is_available()
 
 def gpu(test):
     """Mark a test as needing CUDA: skipped (and reported as such) on a CPU machine."""
     test.needs_cuda = True
     if not HAS_CUDA and "pytest" in sys.modules:
         import pytest
-
         return pytest.mark.skip(reason="needs CUDA")(test)
     return test
 
+def env(**extra):  # unbuffered: a child's lines arrive as it prints them
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
 
-def run(script, *args, env=None, timeout=600, check=True):
-    """Run `python script args...` in a fresh process from the repo root; return the
-    CompletedProcess. With check=True a non-zero exit fails the test and shows the output. Use it
-    where a fresh process matters (torchrun, signals, TRITON_INTERPRET); otherwise call_main."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *map(str, args)], cwd=HERE,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{script} {' '.join(map(str, args))} exited {proc.returncode}:\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+def run(*args, timeout=600, **extra_env):
+    """`python args...` in a fresh process, which must exit 0 (where torchrun, TRITON_INTERPRET or a memory cap
+    need one; otherwise call_main): the CompletedProcess."""
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=HERE, env=env(**extra_env), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, \
+        f"{' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
+def popen(*args, **kw):  # `python args...`, its stdout read line by line as it comes
+    return subprocess.Popen([sys.executable, *map(str, args)], cwd=HERE, text=True, stdout=subprocess.PIPE,
+                            env=env(), **kw)
+
+def children(pid):
+    return open(f"/proc/{pid}/task/{pid}/children").read().split()
 
 def call_main(script, *args):
-    """Run script.main([args]) in this process: (exit status, stdout, stderr). No interpreter
-    start-up and no second torch import, so a bad-input case costs milliseconds, not seconds."""
-    import contextlib
-    import importlib
-    import io
-
-    module = importlib.import_module(script.removesuffix(".py"))
+    """script.main(args) in this process, a bad-input case in milliseconds: (exit status, stdout, stderr)."""
     out, err, code = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            module.main([str(a) for a in args])
+            importlib.import_module(script.removesuffix(".py")).main([str(a) for a in args])
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     return code, out.getvalue(), err.getvalue()
 
+def main_ok(script, *args):  # call_main, which must exit 0: (stdout, stderr)
+    code, out, err = call_main(script, *args)
+    assert code == 0, f"{script} {' '.join(map(str, args))} exited {code}:\n{out[-3000:]}\n{err[-3000:]}"
+    return out, err
 
-def check_bad_inputs(cases):
-    """Each (script, args, words) case must exit 2 with one line on stderr containing `words`
-    (case-insensitive), no traceback, and nothing on stdout but a device line. Every case runs;
-    the failures are reported together."""
+def check_bad_inputs(script, cases):
+    """Each (args, words) case (args: a list, or a string split as a shell does) must exit 2, no traceback, `words`
+    (any case) in the last line on stderr. Every case runs; the failures are reported together."""
     failures = []
-    for script, args, says in cases:
+    for args, says in cases:
+        args = shlex.split(args) if isinstance(args, str) else args
         try:
             code, out, err = call_main(script, *args)
         except Exception as e:  # a traceback the user would have seen
@@ -77,110 +73,86 @@ def check_bad_inputs(cases):
             failures.append(f"{script} {args}: exit {code}, stderr {err.strip()[-300:]!r}, expected '{says}'")
     assert not failures, "\n".join(failures)
 
+def rel_err(got, ref):
+    return ((got - ref).norm() / ref.norm()).item()
 
-def assert_bad_input(script, *args, says):
-    check_bad_inputs([(script, args, says)])
+def assert_raises(says, fn, *args, **kw):  # fn(*args, **kw) raises a ValueError that says `says`
+    try:
+        fn(*args, **kw)
+    except ValueError as e:
+        assert says in str(e), (says, str(e))
+    else:
+        raise AssertionError(f"no error from {fn.__name__}; expected '{says}'")
 
 
 # --- 1. gpt.py: presets, tokenizer, padding, attention, fused loss, FP8, the timer
 
-import math  # noqa: E402
-
-import gpt  # noqa: E402
-
-
-def expected_params(c):
-    """Parameter count implied by a config: blocks, tied embedding (once), positions, final LN."""
+def expected_params(c):  # blocks, tied embedding (once), positions, final LayerNorm
     d, f = c.n_embd, c.d_ff
     block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (d * f + f) + (f * d + d)
     return c.n_layer * block + c.vocab_size * d + c.block_size * d + 2 * d
 
-
 def test_presets_param_counts():
-    for name in gpt.PRESETS:
-        for vocab in (50257, 50304):
-            config = gpt.make_config(name, vocab_size=vocab)
-            with torch.device("meta"):
-                n = gpt.GPT(config).num_params()
-            assert n == expected_params(config), (name, vocab, n)
-    with torch.device("meta"):
+    with torch.device("meta"):  # shapes only: nothing allocated
+        for config in (gpt.make_config(name, vocab_size=v) for name in gpt.PRESETS for v in (50257, 50304)):
+            assert gpt.GPT(config).num_params() == expected_params(config), config
         assert gpt.GPT(gpt.make_config("gpt2")).num_params() == 124_439_808  # GPT-2 124M, as published
-    code, out, _ = call_main("gpt.py", "--model", "gpt2", "--vocab", 50304)
-    assert code == 0 and "124,475,904" in out and "38,633,472" in out, out
-
+    out, _ = main_ok("gpt.py", "--model", "gpt2", "--vocab", 50304)
+    assert "124,475,904" in out and "38,633,472" in out, out
 
 def test_forward_shapes_and_initial_loss():
     torch.manual_seed(0)
-    config = gpt.make_config("tiny", vocab_size=50304)
-    model = gpt.GPT(config)
+    model = gpt.GPT(config := gpt.make_config("tiny", vocab_size=50304))
     idx, targets = torch.randint(0, gpt.GPT2_VOCAB, (2, 2, 16))
-    logits, loss = model(idx, targets)  # training: fused loss, no logits at all
-    assert logits is None and loss.requires_grad
-    assert abs(loss.item() - math.log(gpt.GPT2_VOCAB)) < 0.5  # near-uniform predictions at init
+    logits, loss = model(idx, targets)  # training: fused loss, no logits at all; near-uniform predictions at init
+    assert logits is None and loss.requires_grad and abs(loss.item() - math.log(gpt.GPT2_VOCAB)) < 0.5
     with torch.no_grad():  # evaluation keeps the logits path
         logits, val = model(idx, targets)
     assert logits.shape == (2, 16, 50304) and abs(val.item() - loss.item()) < 1e-2
-    model.config.fused_ce = False
+    model.config.fused_ce = False  # with targets the loss carries the graph, the logits come back detached
     logits, loss = model(idx, targets)
-    # with targets the loss carries the graph and the logits come back detached (see GPT.forward)
     assert loss.requires_grad and not logits.requires_grad and model(idx)[1] is None
     for name, p in model.named_parameters():  # residual projections get the scaled init
         if name.endswith("c_proj.weight"):
             assert abs(p.std().item() - 0.02 / math.sqrt(2 * config.n_layer)) < 0.003, name
 
-
 def test_tokenizer_offline_count_and_round_trip():
-    enc = gpt.gpt2_tokenizer()
-    with open(os.path.join(HERE, "input.txt"), encoding="utf-8") as f:
-        text = f.read()
+    enc, text = gpt.gpt2_tokenizer(), open(os.path.join(HERE, "input.txt"), encoding="utf-8").read()
     ids = enc.encode_ordinary(text)
-    assert len(ids) == 338_025 and max(ids) < gpt.GPT2_VOCAB
-    assert enc.decode(ids) == text
-    assert enc.encode("<|endoftext|>", allowed_special="all") == [50256]
-    assert len(gpt.load_tokens()) == 338_025
-
+    assert len(ids) == 338_025 and max(ids) < gpt.GPT2_VOCAB and enc.decode(ids) == text
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [50256] and len(gpt.load_tokens()) == 338_025
 
 def test_vocab_padding_never_sampled():
-    assert gpt.round_up(50257, 128) == 50304 and gpt.round_up(50304, 128) == 50304
-    assert gpt.round_up(50257, 64) == 50304 and gpt.round_up(50257, 8) == 50264
+    assert gpt.round_up(50257, 128) == gpt.round_up(50304, 128) == gpt.round_up(50257, 64) == 50304
+    assert gpt.round_up(50257, 8) == 50264
     torch.manual_seed(0)
     model = gpt.GPT(gpt.make_config("tiny", vocab_size=50304))
-    with torch.no_grad():
-        model.wte.weight[gpt.GPT2_VOCAB:] = 10 * model.wte.weight.abs().max()  # padded ids score highest
+    with torch.no_grad():  # padded ids score highest
+        model.wte.weight[gpt.GPT2_VOCAB:] = 10 * model.wte.weight.abs().max()
     out = model.generate(torch.zeros(2, 1, dtype=torch.long), 20)
     assert out.shape == (2, 21) and out.max().item() < gpt.GPT2_VOCAB
 
-
 def test_fused_cross_entropy_matches_reference():
-    """LinearCrossEntropy over chunks (one ragged) equals F.cross_entropy on the real vocabulary,
-    loss and both gradients, fp32 to rounding; padded ids get no probability and no gradient;
-    bf16 autocast agrees to bf16 rounding."""
-    gen = torch.Generator().manual_seed(0)
-    N, d, V = 300, 32, 50304
-    x = torch.randn(N, d, generator=gen, requires_grad=True)
-    w = (torch.randn(V, d, generator=gen) * 0.1).requires_grad_()
-    y = torch.randint(0, gpt.GPT2_VOCAB, (N,), generator=gen)
-    grads = {}
+    """Chunked linear cross-entropy (one chunk ragged) = F.cross_entropy on the real vocabulary: loss, both grads."""
+    gen, grads = torch.Generator().manual_seed(0), {}
+    x = torch.randn(300, 32, generator=gen, requires_grad=True)
+    w = (torch.randn(50304, 32, generator=gen) * 0.1).requires_grad_()
+    y = torch.randint(0, gpt.GPT2_VOCAB, (300,), generator=gen)
     for name in ("fused", "reference", "bf16"):
         x.grad = w.grad = None
         with gpt.autocast("cpu", torch.bfloat16 if name == "bf16" else None):
-            if name == "reference":
-                loss = torch.nn.functional.cross_entropy((x @ w.t())[:, :gpt.GPT2_VOCAB].float(), y)
-            else:
-                loss = gpt.linear_cross_entropy(x, w, y, chunk_rows=128)
+            loss = (torch.nn.functional.cross_entropy((x @ w.t())[:, :gpt.GPT2_VOCAB].float(), y)
+                    if name == "reference" else gpt.linear_cross_entropy(x, w, y, chunk_rows=128))
         (3 * loss).backward()  # a non-unit upstream gradient
         grads[name] = (loss.detach(), x.grad, w.grad)
-    for name, tol in (("fused", 1e-5), ("bf16", 2e-2)):
-        for got, ref in zip(grads[name], grads["reference"]):
-            err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-            assert err < tol, (name, err)
-    assert grads["fused"][2][gpt.GPT2_VOCAB:].abs().max() == 0
-
+    for name, tol in (("fused", 1e-5), ("bf16", 2e-2)):  # fp32 to rounding, bf16 autocast to bf16's rounding
+        errs = [rel_err(got.double(), ref.double()) for got, ref in zip(grads[name], grads["reference"])]
+        assert max(errs) < tol, (name, errs)
+    assert grads["fused"][2][gpt.GPT2_VOCAB:].abs().max() == 0  # padded ids: no probability, no gradient
 
 def test_cross_entropy_kernel_matches_torch():
-    """The Triton kernel (CUDA path; here under TRITON_INTERPRET=1) gives the PyTorch path's
-    per-row losses and gradient, padded columns included, on a chunk of rows."""
-    code = r"""
+    """The Triton loss kernel (CUDA's path; here interpreted) = the PyTorch path: row losses, gradient, padding."""
+    assert "kernel ok" in run("-c", r"""
 import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
 gen = torch.Generator().manual_seed(0)
 logits = 4 * torch.randn(5, 50304, generator=gen)
@@ -189,16 +161,10 @@ a, b, loss_b = logits.clone(), logits.clone(), torch.empty(5)
 loss_a = gpt.chunk_loss_and_grad(a, y, gpt.GPT2_VOCAB)
 gpt._cross_entropy_rows[(5,)](b, y, loss_b, b.stride(0), gpt.GPT2_VOCAB, 50304, BLOCK=4096)
 assert (loss_a - loss_b).abs().max() < 1e-5 and (a - b).abs().max() < 1e-6 and b[:, gpt.GPT2_VOCAB:].abs().max() == 0
-print("kernel ok")
-"""
-    proc = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert "kernel ok" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-
+print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
 
 def attention_matches_naive(impl, device, dtype, tol):
-    """Logits and gradients of a tiny GPT with attention `impl` agree with naive attention.
-    Returns False if the implementation cannot run here (e.g. a CUDA-only SDPA backend)."""
+    """A tiny GPT's logits and gradients with attention `impl` = naive attention's; False if impl cannot run here."""
     results = {}
     for name in ("naive", impl):
         torch.manual_seed(0)
@@ -209,15 +175,13 @@ def attention_matches_naive(impl, device, dtype, tol):
                 logits, loss = model(idx, idx)
             loss.backward()
         except RuntimeError as e:
-            if name != "naive" and "kernel" in str(e).lower():
+            if name != "naive" and "kernel" in str(e).lower():  # e.g. a CUDA-only SDPA backend
                 return False
             raise
         results[name] = [logits.float()] + [p.grad.float() for p in model.parameters()]
     for ref, got in zip(results["naive"], results[impl]):
-        err = (ref - got).norm() / ref.norm()
-        assert err < tol, f"{impl}: relative error {err:.2e}"
+        assert (err := (ref - got).norm() / ref.norm()) < tol, f"{impl}: relative error {err:.2e}"
     return True
-
 
 def test_attention_toggles_agree_cpu():
     checked = [impl for impl in ("sdpa", "flash", "math", "cudnn", "efficient")
@@ -226,138 +190,105 @@ def test_attention_toggles_agree_cpu():
     model = gpt.GPT(gpt.make_config("tiny", attn="math"))
     assert all(b.attn.attend is gpt.ATTENTION["math"] for b in model.h)  # chosen once, at build
 
-
 @gpu
 def test_attention_toggles_agree_gpu():
     for impl in ("sdpa", "flash", "cudnn", "efficient", "math"):
         assert attention_matches_naive(impl, "cuda", torch.bfloat16, 3e-2), impl
         assert attention_matches_naive(impl, "cuda", None, 1e-2) or impl in ("flash", "cudnn"), impl
 
-
 def test_config_and_device_errors():
-    for kwargs, says in [({"vocab_size": 50000}, "below"), ({"attn": "nope"}, "unknown attention")]:
-        try:
-            gpt.make_config("tiny", **kwargs)
-            raise AssertionError(f"{kwargs} accepted")
-        except ValueError as e:
-            assert says in str(e)
+    assert_raises("below", gpt.make_config, "tiny", vocab_size=50000)
+    assert_raises("unknown attention", gpt.make_config, "tiny", attn="nope")
     for name, says in [("banana", "cuda:N"), ("tpu", "cuda:N"), ("mps", "cuda:N"), ("cuda:x", "cuda:N"),
                        ("cuda:7" if HAS_CUDA else "cuda", "GPU")]:
-        try:
-            gpt.resolve_device(name)
-            raise AssertionError(f"--device {name} accepted")
-        except ValueError as e:
-            assert says in str(e), (name, str(e))
-    check_bad_inputs([("gpt.py", ["--model", "gpt5"], "invalid choice"),
-                      ("gpt.py", ["--seq", "0"], "--seq must be between")])
-
+        assert_raises(says, gpt.resolve_device, name)
+    check_bad_inputs("gpt.py", [("--model gpt5", "invalid choice"), ("--seq 0", "--seq must be between")])
 
 def test_timer_interleaves_and_pairs():
-    """Every variant runs in every round, in a rotating order; ratios are per-round pairs, so a
-    variant that does twice the work reads about 2x however the machine's speed drifts."""
+    """Every variant runs in every round, the order rotating; per-round paired ratios read twice the work as ~2x."""
     calls = []
 
-    def work(name, n):
-        def step():
-            calls.append(name)
-            torch.ones(n, n) @ torch.ones(n, n)
-        return step
+    def step(name, n):
+        calls.append(name)
+        torch.ones(n, n) @ torch.ones(n, n)
 
-    times, peaks = gpt.time_rounds({"a": work("a", 160), "b": work("b", 202)}, "cpu", rounds=6, steps=2,
-                                   warmup=1)
+    work = {"a": functools.partial(step, "a", 160), "b": functools.partial(step, "b", 202)}  # 202^3 / 160^3 = 2.0
+    times, peaks = gpt.time_rounds(work, "cpu", rounds=6, steps=2, warmup=1)
     assert [len(t) for t in times.values()] == [6, 6] and peaks == {"a": None, "b": None}
     rounds = ["".join(calls[2 + 4 * r: 6 + 4 * r : 2]) for r in range(6)]  # after the warm-up calls
     assert rounds == ["ab", "ba"] * 3, rounds
     stats = gpt.summarize(times, baseline="a")
     assert stats["a"].ratio == 1.0 and stats["a"].low <= stats["a"].median <= stats["a"].high
-    assert 1.3 < stats["b"].ratio < 3.5, stats["b"]  # 202^3 / 160^3 = 2.0 flops
-    assert stats["b"].ratio_low <= stats["b"].ratio <= stats["b"].ratio_high
+    assert 1.3 < stats["b"].ratio < 3.5 and stats["b"].ratio_low <= stats["b"].ratio <= stats["b"].ratio_high, stats
     assert stats["b"].ms().count("(") == 1 and stats["b"].vs().endswith(")")
-
 
 @gpu
 def test_fp8_linear_matches_bf16():
-    """Each FP8 layer's output and gradients against the same layer in bf16: within 10% relative
-    (e4m3 keeps 3 mantissa bits, e5m2 2: a few percent is expected, 10% is broken)."""
+    """Each FP8 layer's output and gradients within 10% of bf16's (e4m3 and e5m2 round by a few percent)."""
     torch.manual_seed(0)
     for d_in, d_out in ((768, 2304), (768, 3072), (3072, 768)):
-        layer = torch.nn.Linear(d_in, d_out).cuda()
-        x = torch.randn(4, 1024, d_in, device="cuda", requires_grad=True)
-        dy = torch.randn(4, 1024, d_out, device="cuda")
-        outs = []
-        for convert in (False, True):
-            if convert:
-                layer.__class__ = gpt.Fp8Linear
-            x.grad = layer.weight.grad = None
+        layer, outs = torch.nn.Linear(d_in, d_out).cuda(), []
+        x, dy = torch.randn(4, 1024, d_in, device="cuda", requires_grad=True), torch.randn(4, 1024, d_out, device="cuda")
+        for cls in (torch.nn.Linear, gpt.Fp8Linear):  # the same weights, then in FP8
+            layer.__class__, x.grad, layer.weight.grad = cls, None, None
             with gpt.autocast("cuda", torch.bfloat16):
                 y = layer(x)
             y.backward(dy)
             outs.append((y.float(), x.grad.float(), layer.weight.grad.float()))
-        for ref, got in zip(*outs):
-            assert ((got - ref).norm() / ref.norm()).item() < 0.1, (d_in, d_out)
+        assert all(rel_err(got, ref) < 0.1 for ref, got in zip(*outs)), (d_in, d_out)
 
 
 # --- 2. train.py: learning, checkpoints, FSDP and DDP, interrupts, bad input
 
-import functools  # noqa: E402
-import shlex  # noqa: E402
-import signal  # noqa: E402
-import unittest.mock  # noqa: E402
-
 TINY = ["--device", "cpu", "--steps", 8, "--seq", 32, "--warmup", 2, "--lr", 3e-3, "--eval-every", 4, "--batch", 4]
 LAYOUT = dict(atol=2e-3, rtol=0)  # another layout of one run: ~1e-4 apart in fp32; a resume without Adam's state: ~0.3
 
-
 def step_values(out, field="loss"):
-    return [float(ln.split(f"| {field} ")[1].split()[0]) for ln in out.splitlines() if ln.startswith("step") and "norm" in ln]
-
+    return [float(ln.split(f"| {field} ")[1].split()[0]) for ln in out.splitlines()
+            if ln.startswith("step") and "norm" in ln]
 
 def train_main(*args, code=0):  # train.main in this process: (per-step losses, stdout), exit status `code`
     status, out, err = call_main("train.py", *args)
     assert status == code, f"train.py {args} exited {status}:\n{out[-2000:]}\n{err[-2000:]}"
     return step_values(out), out
 
-
 @functools.cache
 def reference():  # TINY on one process: every variant, resume and layout (same global batch) must reproduce it
     return train_main(*TINY, "--sample", 8)
 
-
 def test_train_cpu_learns_variants_agree_nan_stops():
     """Val loss falls; --recompute 1 is exact, --grad-accum 2, --no-fused-ce agree; a NaN stops at the step named."""
     ref, out = reference()
-    assert out.startswith("device: cpu") and [int(ln.split()[1]) for ln in out.splitlines() if "| loss" in ln] == [*range(8)]
+    steps = [int(ln.split()[1]) for ln in out.splitlines() if "| loss" in ln]
+    assert out.startswith("device: cpu") and steps == [*range(8)]
     vals = [float(ln.split()[-1]) for ln in out.splitlines() if ln.startswith("step") and "val loss" in ln]
     assert len(vals) == 2 and vals[1] < min(vals[0] - 0.25, math.log(gpt.GPT2_VOCAB) - 1), vals
     assert "over steps 4-7 |" in out and f"| val loss {vals[1]:.4f}" in out and "--- sample (8 tokens)" in out, out
     assert train_main(*TINY, "--stop-after", 3, "--recompute", 1)[0] == ref[:3]
-    torch.testing.assert_close(train_main(*TINY, "--stop-after", 3, "--batch", 2, "--grad-accum", 2)[0], ref[:3], **LAYOUT)
+    accum = train_main(*TINY, "--stop-after", 3, "--batch", 2, "--grad-accum", 2)[0]
+    torch.testing.assert_close(accum, ref[:3], **LAYOUT)
     torch.testing.assert_close(train_main(*TINY, "--stop-after", 3, "--no-fused-ce")[0], ref[:3], rtol=1e-3, atol=0)
     finite, out = train_main(*TINY, "--lr", 1e9, "--warmup", 1, code=1)  # each step before the one named: finite
     assert f"stopped: loss is nan at step {len(finite)}; likely cause: a learning rate" in out.splitlines()[-1], out
 
-
 def train_proc(args, torchrun=False, signum=None):
     """train.py in a fresh process (torchrun: 2 ranks), sent `signum` once step 0's line is out (under torchrun to
-    rank 1 alone, a child of torchrun's main thread). (exit status, per-step losses, stdout, stderr)"""
+    rank 1 alone, a child of torchrun's main thread): (exit status, per-step losses, stdout, stderr)."""
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else []
-    proc = subprocess.Popen([sys.executable, *launch, "train.py", *map(str, args)], cwd=HERE, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    head = []
+    proc, head = popen(*launch, "train.py", *args, stderr=subprocess.PIPE), []
     for line in proc.stdout if signum else []:
         head.append(line)
         if line.startswith("step     0 | loss"):
-            kids = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split() if torchrun else [proc.pid]
+            kids = children(proc.pid) if torchrun else [proc.pid]
             os.kill(next(int(p) for p in kids if not torchrun or
                          b"RANK=1" in open(f"/proc/{p}/environ", "rb").read().split(b"\0")), signum)
             break
     out, err = proc.communicate(timeout=300)
     return proc.returncode, step_values("".join(head) + out), "".join(head) + out, err
 
-
 def test_train_interrupts_resume_exactly_across_layouts():
-    """SIGINT to one process, SIGTERM to rank 1 of 2 (DDP): all stop, save, say how to resume; one process resumes
-    bit for bit, FSDP2 on 2 ranks from DDP's checkpoint, one process from FSDP's: every loss as on one process."""
+    """SIGINT to one process, SIGTERM to rank 1 of 2: all stop, save, say how to resume; resumed on one process, on
+    FSDP2's 2 ranks from DDP's checkpoint and on one process from FSDP's, every loss is one process's."""
     ref = reference()[0]
     with tempfile.TemporaryDirectory() as tmp:
         code, first, out, err = train_proc([*TINY, "--ckpt", f"{tmp}/i.pt"], signum=signal.SIGINT)
@@ -367,19 +298,17 @@ def test_train_interrupts_resume_exactly_across_layouts():
         second, out = train_main(*TINY, "--ckpt", f"{tmp}/i.pt", "--resume")
         assert first + second == ref and f"at step {k}" in out and f"over steps {k + (8 - k) // 2}-7" in out, out
         two = [*TINY, "--batch", 2, "--ckpt", f"{tmp}/d.pt"]  # 2 ranks x batch 2: the same global batch
-        code, ddp, out, err = train_proc(two, True, signal.SIGTERM)
+        code, on_ddp, out, err = train_proc(two, True, signal.SIGTERM)
         assert code != 0 and "x 2 processes" in out and "interrupted (SIGTERM) after step" in out, (out, err[-2000:])
         assert "resume with: torchrun --nproc_per_node=2" in out
-        assert torch.load(f"{tmp}/d.pt", weights_only=True)["step"] == len(ddp) < 6
-        code, fsdp, out, err = train_proc([*two, "--fsdp", "--resume", "--stop-after", 6], True)
+        assert torch.load(f"{tmp}/d.pt", weights_only=True)["step"] == len(on_ddp) < 6
+        code, on_fsdp, out, err = train_proc([*two, "--fsdp", "--resume", "--stop-after", 6], True)
         assert code == 0 and "FSDP" in out, (out, err[-2000:])
         last = train_main(*TINY, "--ckpt", f"{tmp}/d.pt", "--resume")[0]
-        torch.testing.assert_close(ddp + fsdp + last, ref, **LAYOUT)
-
+        torch.testing.assert_close(on_ddp + on_fsdp + last, ref, **LAYOUT)
 
 def test_every_script_stops_cleanly_on_signals():
-    """Ctrl-C (SIGINT) or SIGTERM mid-run: exit 130 / 143, one last line that says so, no traceback; ddp.py's
-    ranks end with their parent."""
+    """SIGINT or SIGTERM mid-run: exit 130 / 143, a last line that says so, no traceback; ddp.py's ranks end too."""
     cpu = ["--device", "cpu"]
     for script, args, after, signum in [
             ("bench_e2e.py", [*cpu, "--ladder", "--batch", 1, "--seq", 16, "--rounds", 10**6], "round", signal.SIGINT),
@@ -387,14 +316,12 @@ def test_every_script_stops_cleanly_on_signals():
             ("precision.py", cpu, "== 1.", signal.SIGINT),
             ("memory.py", ["checkpoint", *cpu, "--rounds", 10**6], "round", signal.SIGTERM),
             ("ddp.py", ["selftest", "--backend", "gloo", "--steps", 10**6], "selftest:", signal.SIGTERM)]:
-        proc = subprocess.Popen([sys.executable, script, *map(str, args)], cwd=HERE, text=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = popen(script, *args, stderr=subprocess.STDOUT)
         watchdog = threading.Timer(90, proc.kill)  # a marker that never comes fails the test instead of hanging it
         watchdog.start()
         head = next((line for line in iter(proc.stdout.readline, "") if after in line), None)
-        time.sleep(1)  # under way (ddp.py: the ranks started)
-        ranks = [pid for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
-                 if b"resource_tracker" not in open(f"/proc/{pid}/cmdline", "rb").read()]  # (spawn's helper)
+        time.sleep(1)  # under way (ddp.py: the ranks started; spawn's resource tracker is no rank)
+        ranks = [p for p in children(proc.pid) if b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()]
         proc.send_signal(signum)
         out = proc.communicate(timeout=60)[0]
         watchdog.cancel()
@@ -403,25 +330,21 @@ def test_every_script_stops_cleanly_on_signals():
             (script, proc.returncode, out[-2000:])
         assert script != "ddp.py" or (ranks and not any(map(running, ranks))), ranks
 
-
-def running(pid):
-    """Whether process pid exists and has not ended (an ended one nobody reaped is a zombie, state Z)."""
+def running(pid):  # whether pid exists and has not ended (an ended one nobody reaped is a zombie, state Z)
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
 
-
 def test_fused_clipping_matches_clip_grad_norm():
     """train.clip_gradients, fused AdamW (the clip inside its kernel) and plain, steps as clip_grad_norm_ does."""
-    import train
-
     def params_after(clip, fused=True):
         torch.manual_seed(0)
         model, gen = torch.nn.Linear(16, 8), torch.Generator().manual_seed(1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
         for scale in (10.0, 0.01):  # clipped, then not: after one step Adam's scale invariance hides a missing clip
-            model.weight.grad, model.bias.grad = (torch.randn(p.shape, generator=gen) * scale for p in model.parameters())
+            model.weight.grad, model.bias.grad = (torch.randn(p.shape, generator=gen) * scale
+                                                  for p in model.parameters())
             clip(model, optimizer)
             optimizer.step()
         return torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -430,7 +353,6 @@ def test_fused_clipping_matches_clip_grad_norm():
     for fused in (True, False):
         ours = params_after(lambda m, o: train.clip_gradients(m, o, 1.0), fused)
         assert (ours - ref).abs().max() < 1e-6 < (params_after(lambda m, o: None) - ref).abs().max() / 100, fused
-
 
 def test_train_bad_input_and_checkpoints():
     """Each kind of mistake: exit 2, one sentence, before any work; a failed write leaves the last checkpoint only."""
@@ -445,9 +367,9 @@ def test_train_bad_input_and_checkpoints():
                             "tensor": torch.ones(3), "random": os.urandom(4096), "empty": b""}.items():
             with open(f"{tmp}/{name}.pt", "wb") as f:
                 f.write(value) if isinstance(value, bytes) else torch.save(value, f)
-        cases = {
-            "--model gpt5": "unknown model", "--model gpt2 --seq 2048": "block size", "--vocab 50000": "below the tokenizer",
-            "--bf16 --fp16": "exclusive", "--min-lr 1e-3": "between 0 and --lr", "--device banana": "cuda:N",
+        check_bad_inputs("train.py", {
+            "--model gpt5": "unknown model", "--model gpt2 --seq 2048": "block size", "--bf16 --fp16": "exclusive",
+            "--vocab 50000": "below the tokenizer", "--min-lr 1e-3": "between 0 and --lr", "--device banana": "cuda:N",
             "--fp8": "--fp8 needs", "--fsdp": "under torchrun", "--fsdp --fp16": "GradScaler", "--ckpt ''": "a file name",
             "--model tiny --recompute 5": "above the 4", "--ckpt input.txt": "refusing to overwrite",
             f"--ckpt {tmp}": "is a directory", f"--ckpt {tmp}/no/x.pt": "does not exist", f"{R}/none.pt": "--resume needs",
@@ -458,12 +380,13 @@ def test_train_bad_input_and_checkpoints():
             f"{R}/empty.pt": "empty file", f"{R}/bare.pt": "weights alone", f"{R}/tensor.pt": "bare tensor",
             f"{one} --ckpt {tmp}/ok.pt": "already holds a checkpoint: continue it with --resume", "--resume": "needs --ckpt",
             f"{R}/ok.pt --overwrite": "exclusive", f"--data {tmp}": "is a directory", "--lr nan": "--lr must be a finite",
-            "--min-lr inf": "finite", "--ckpt /proc/x.pt": "cannot be written", "--device cpu --model 2.7B --vocab 16777216 --batch 1 --seq 64":
-            "of this machine's memory", f"{one} --stop-after 1 {R}/ok.pt --steps 2": "(a step of the run, not a count)",
+            "--min-lr inf": "finite", "--ckpt /proc/x.pt": "cannot be written",
+            "--device cpu --model 2.7B --vocab 16777216 --batch 1 --seq 64": "of this machine's memory",
+            f"{one} --stop-after 1 {R}/ok.pt --steps 2": "(a step of the run, not a count)",
             **{f"--{f} {v}": f"--{f} must be positive" for f in ("batch", "stop-after", "recompute") for v in (0, -1)},
             **{f"--{f} -1": f"--{f} cannot be negative" for f in ("warmup", "grad-clip", "weight-decay", "sample", "fp8")},
-            **({} if HAS_CUDA else {"--fp16": "needs a CUDA GPU", "--device cuda": "no CUDA GPU", "--fp8 0 --bf16": "FP8 tensor"})}
-        check_bad_inputs([("train.py", shlex.split(args), says) for args, says in cases.items()])
+            **({} if HAS_CUDA else {"--fp16": "needs a CUDA GPU", "--device cuda": "no CUDA GPU",
+                                    "--fp8 0 --bf16": "FP8 tensor"})}.items())
         assert open(os.path.join(HERE, "input.txt"), "rb").read() == text  # --ckpt input.txt left it alone
 
         def full_disk(obj, path):  # the write fails halfway
@@ -474,15 +397,16 @@ def test_train_bad_input_and_checkpoints():
         assert code == 2 and "could not write the checkpoint" in err and "No space left" in err, err
         assert not os.path.exists(f"{tmp}/ok.pt.tmp") and torch.load(f"{tmp}/ok.pt", weights_only=True)["step"] == 1
         before = open(f"{tmp}/ok.pt", "rb").read()  # a run without --resume leaves it alone, byte for byte
-        assert call_main("train.py", *one.split(), "--ckpt", f"{tmp}/ok.pt")[0] == 2 and open(f"{tmp}/ok.pt", "rb").read() == before
+        code = call_main("train.py", *one.split(), "--ckpt", f"{tmp}/ok.pt")[0]
+        assert code == 2 and open(f"{tmp}/ok.pt", "rb").read() == before
         losses, out = train_main(*one.split(), "--ckpt", f"{tmp}/ok.pt", "--resume", "--bf16")  # precision changed: said
         assert "was trained in fp32; this run continues in bf16" in out and len(losses) == 1, out
 
-
 @gpu
 def test_train_gpu_recompute_fp8_fused_ce_compile():
-    """gpt2: --recompute 1 lowers the peak (first: no compiled graph holds memory yet); --fp8 0 --compile learns; fused
-    CE = unfused (fp32, 20 steps, 1e-3). tiny: compiled with CUDA graphs = eager, step by step; fp16 learns."""
+    """gpt2: --recompute 1 lowers the peak; --fp8 0 --compile learns; fused CE = unfused (fp32, 20 steps, 1e-3).
+    tiny: compiled with CUDA graphs = eager, step by step; fp16 learns."""
+    # the recompute pair runs first: no compiled graph holds memory yet
     peaks = [float(train_main("--bf16", "--vocab", 50304, "--steps", 2, "--batch", 16, "--seq", 512, "--eval-steps", 1,
                               *extra)[1].split("peak mem")[1].split()[0]) for extra in ([], ["--recompute", 1])]
     assert peaks[1] < 0.85 * peaks[0], peaks
@@ -503,10 +427,6 @@ def test_train_gpu_recompute_fp8_fused_ce_compile():
 # --- 3. bench_attention.py: sweep through the timer, saved-bytes model, script and plot, OOM, bad input
 
 def test_bench_attention_sweep_saved_bytes_and_script():
-    import importlib.util
-
-    import bench_attention as ba
-
     args = ba.parse_args(["--impl", "naive,flash,efficient,math", "--d", "16", "--seq", "32,64", "--rounds", "3",
                           "--steps", "1", "--warmup", "1", "--dtype", "fp32", "--causal", "--device", "cpu"])
     results, _ = ba.run_sweep(args, ba.make_impls(args.impl, True, args.device), args.device, torch.float32)
@@ -522,26 +442,23 @@ def test_bench_attention_sweep_saved_bytes_and_script():
         measured = ba.measure_saved_bytes(lambda q, k, v: ba.naive_attention(q, k, v, causal), q, k, v)
         assert ba.naive_saved_bytes(B, H, S, D, dtype, causal) == measured, (B, H, S, D, dtype, causal, measured)
     with tempfile.TemporaryDirectory() as tmp:
-        plot = os.path.join(tmp, "a.png")
-        plot_args = ["--plot", plot] if importlib.util.find_spec("matplotlib") else []
-        code, out, err = call_main("bench_attention.py", "--impl", "naive,math", "--d", "16", "--seq", "32", "--rounds",
-                                   "2", "--steps", "1", "--dtype", "fp32", *plot_args)
-        assert code == 0 and out.strip().splitlines()[-1].startswith("summary:"), out + err
-        assert "rounds" in out and "saved pred" in out and (not plot_args or os.path.getsize(plot) > 0), out
-    code, out, err = call_main("bench_attention.py", "--suite", "flash", "--impl", "naive", "--d", "16", "--seq", "64",
-                               "--dtype", "fp32")
-    assert code == 0 and "fp32 fwd+bwd" in out and out.strip().splitlines()[-1].startswith("summary:"), out + err
-
+        plot = ["--plot", os.path.join(tmp, "a.png")] if importlib.util.find_spec("matplotlib") else []
+        out, err = main_ok("bench_attention.py", "--impl", "naive,math", "--d", "16", "--seq", "32", "--rounds", "2",
+                           "--steps", "1", "--dtype", "fp32", *plot)
+        assert out.strip().splitlines()[-1].startswith("summary:"), out + err
+        assert "rounds" in out and "saved pred" in out and (not plot or os.path.getsize(plot[1]) > 0), out
+    out, err = main_ok("bench_attention.py", "--suite", "flash", "--impl", "naive", "--d", "16", "--seq", "64",
+                       "--dtype", "fp32")
+    assert "fp32 fwd+bwd" in out and out.strip().splitlines()[-1].startswith("summary:"), out + err
 
 def test_bench_attention_bad_input():
-    check_bad_inputs([("bench_attention.py", args, says) for args, says in [
-        (["--d", "0"], "--d values must be positive"), (["--seq", "1k"], "comma-separated integers"),
-        (["--impl", "naive,bogus"], "unknown implementation 'bogus'"), (["--device", "banana"], "not a device"),
-        (["--rounds", "0"], "--rounds must be at least 1"), (["--steps", "0"], "--steps must be at least 1"),
-        (["--warmup", "-1"], "non-negative"), (["--batch", "0"], "--batch"), (["--heads", "0"], "--heads"),
-        (["--impl", "flash", "--baseline", "naive"], "--baseline naive"), (["--memory-fraction", "1.5"], "memory-fraction"),
-        (["--plot", "/nonexistent/a.png"], "--plot"), (["--suite", "bogus"], "invalid choice")]])
-
+    check_bad_inputs("bench_attention.py", [
+        ("--d 0", "--d values must be positive"), ("--seq 1k", "comma-separated integers"),
+        ("--impl naive,bogus", "unknown implementation 'bogus'"), ("--device banana", "not a device"),
+        ("--rounds 0", "--rounds must be at least 1"), ("--steps 0", "--steps must be at least 1"),
+        ("--warmup -1", "non-negative"), ("--batch 0", "--batch"), ("--heads 0", "--heads"),
+        ("--impl flash --baseline naive", "--baseline naive"), ("--memory-fraction 1.5", "memory-fraction"),
+        ("--plot /nonexistent/a.png", "--plot"), ("--suite bogus", "invalid choice")])
 
 @gpu
 def test_bench_attention_oom_row_then_next_runs():
@@ -555,13 +472,10 @@ def test_bench_attention_oom_row_then_next_runs():
 
 
 # --- 4. precision.py: IEEE accumulation, autocast capture, LayerNorm overflow, FP8 scaling
-import numpy as np  # noqa: E402
-import precision  # noqa: E402
-
 
 def test_precision_cpu_accumulate_autocast_layernorm_fp8():
-    code, out, err = call_main("precision.py", "--device", "cpu", "--model", "tiny", "--steps", 2, "--rounds", 2)
-    assert code == 0 and all(f"== {n}. {name}" in out for n, name in enumerate(precision.SECTIONS, 1)), err + out
+    out, err = main_ok("precision.py", "--device", "cpu", "--model", "tiny", "--steps", 2, "--rounds", 2)
+    assert all(f"== {n}. {name}" in out for n, name in enumerate(precision.SECTIONS, 1)), err + out
     assert out.count("takeaway") == 6 and out.count("skipped: needs CUDA") == 2 and "need FP8 tensor cores" in out
     # numpy's add.accumulate adds one element at a time, rounding each sum to the dtype: IEEE's answer
     ieee_sum = lambda dtype, addend, n: float(np.add.accumulate(np.full(n, addend, dtype=dtype))[-1])  # noqa: E731
@@ -598,41 +512,37 @@ def test_precision_cpu_accumulate_autocast_layernorm_fp8():
     assert len(got) == 10 and got["lm_head output grad"].shape == (16, 50257), list(got)
     assert got["lm_head output grad"].sum(1).abs().max() < 1e-6
 
-
 def test_precision_bad_input():
-    check_bad_inputs([("precision.py", args, says) for args, says in (
-        (["--only", "nosuch"], "unknown section 'nosuch'"), (["--only", "formats,nosuch"], "choose from"),
-        (["--device", "banana"], "not a device"), (["--device", "mps"], "not supported"),
-        (["--model", "gpt5"], "unknown model"), (["--models", "tiny,gpt5"], "unknown model"),
-        (["--batch", 0], "--batch must be between"), (["--seq", 5000], "--seq must be between"),
-        (["--steps", 0], "--steps must be between"), (["--rounds", -1], "--rounds must be between"),
-        (["--batch", "x"], "invalid int value"))])
-
+    check_bad_inputs("precision.py", [
+        ("--only nosuch", "unknown section 'nosuch'"), ("--only formats,nosuch", "choose from"),
+        ("--device banana", "not a device"), ("--device mps", "not supported"), ("--model gpt5", "unknown model"),
+        ("--models tiny,gpt5", "unknown model"), ("--batch 0", "--batch must be between"),
+        ("--seq 5000", "--seq must be between"), ("--steps 0", "--steps must be between"),
+        ("--rounds -1", "--rounds must be between"), ("--batch x", "invalid int value")])
 
 @gpu
 def test_precision_gpu_sections_and_fp8_gemms():
-    code, out, err = call_main("precision.py", "--only", "autocast,tf32,gradscaler,mixed", "--model", "tiny",
-                               "--models", "tiny", "--batch", 4, "--seq", 256, "--steps", 3, "--rounds", 3)
-    assert code == 0 and "autocast fp16 on cuda" in out and "skipped: needs CUDA" not in out and "OOM" not in out, out
+    out, _ = main_ok("precision.py", "--only", "autocast,tf32,gradscaler,mixed", "--model", "tiny", "--models", "tiny",
+                     "--batch", 4, "--seq", 256, "--steps", 3, "--rounds", 3)
+    assert "autocast fp16 on cuda" in out and "skipped: needs CUDA" not in out and "OOM" not in out, out
     assert out.count("takeaway") >= 5 and "GradScaler" in out, out
     if gpt.fp8_supported("cuda"):  # every FP8 GEMM variant against bf16, within e4m3's few-percent rounding
         ops = precision.gemm_variants(256, 128, 512, torch.device("cuda"))
         ref = ops["bf16"]().float()
-        assert all(((op().float() - ref).norm() / ref.norm()).item() < 0.1 for op in ops.values())
+        assert all(rel_err(op().float(), ref) < 0.1 for op in ops.values())
 
 
 # --- 5. bench_e2e.py: ladder, sweep, output GEMMs, profile, bad input
-import json  # noqa: E402
-import types  # noqa: E402
-import bench_e2e  # noqa: E402
 
-
-def _sweep(device, **kw):  # bench_e2e.run_sweep of the tiny model: (times, stats) by (vocab, batch, seq, mode)
+def sweep(device, **kw):  # bench_e2e.run_sweep of the tiny model: (times, stats) by (vocab, batch, seq, mode)
     args = types.SimpleNamespace(**{"vocab": [50257], "batch": [1, 2], "seq": [16], "modes": bench_e2e.MODES,
                                     "tf32": False, "dtype": None, "attn": "sdpa", "compile": False, "rounds": 2,
                                     "steps": 1, "warmup": 1, **kw})
     return bench_e2e.run_sweep(args, [("tiny", gpt.make_config("tiny"))], device)[0][1:]
 
+def rung_losses(config, x, y, device):  # every rung that runs here trains the same model: same seed, batch, loss
+    return [bench_e2e.run_step("train", bench_e2e.build(config, s, device), x, y).item()
+            for _, change, s in bench_e2e.rungs() if bench_e2e.skip_reason(change, s, device) is None]
 
 def test_bench_e2e_ladder_cpu():
     png = os.path.join(tempfile.mkdtemp(), "ladder.png")
@@ -643,16 +553,13 @@ def test_bench_e2e_ladder_cpu():
     assert code == 0 and [(r.count("skipped"), r.count("x (")) for r in rows] == expect, err + out
     assert out.strip().splitlines()[-1].startswith("ladder:") and bench_e2e.starts_with(b"\x89PNG\r\n\x1a\n")(png)
     cpu, config = torch.device("cpu"), gpt.make_config("tiny")
-    x, y = bench_e2e.batch_of(2, 16, cpu)  # every rung that runs trains the same model: same seed, batch and loss
-    losses = [bench_e2e.run_step("train", bench_e2e.build(config, s, cpu), x, y).item()
-              for _, change, s in bench_e2e.rungs() if bench_e2e.skip_reason(change, s, cpu) is None]
+    losses = rung_losses(config, *bench_e2e.batch_of(2, 16, cpu), cpu)
     assert len(losses) == 4 and all(abs(v - losses[0]) < 0.02 * losses[0] for v in losses), losses
     fp8 = bench_e2e.build(config, {**bench_e2e.FIRST_RUNG, "fp8": True}, cpu)["model"]  # forced: all four per block
     assert sum(type(m) is gpt.Fp8Linear for m in fp8.modules()) == 4 * config.n_layer
 
-
 def test_bench_e2e_sweep_numbers_profile_cpu_run():
-    times, stats = _sweep(torch.device("cpu"))
+    times, stats = sweep(cpu := torch.device("cpu"))
     assert len(times) == 2 * 3 and all(len(t) == 2 for t in times.values()), times  # batches x modes
     assert all(t.low <= t.median <= t.high and t.peak is None for t in stats.values())
     a, b = (50257, 2, 16, "train"), (50257, 1, 16, "train")
@@ -662,7 +569,6 @@ def test_bench_e2e_sweep_numbers_profile_cpu_run():
     split = bench_e2e.step_split(times, 50257, 1, 16)
     assert split[1].startswith(f"{(fb[0] - f[0] + fb[1] - f[1]) / 2:.2f} (")  # paired: per-round differences
     assert split[3] == f"{(tr[0] + tr[1]) / 2:.2f}"
-    cpu = torch.device("cpu")
     bench = bench_e2e.build(gpt.make_config("tiny"), {**bench_e2e.FIRST_RUNG, "attn": "naive"}, cpu)
     profs = bench_e2e.profile_steps(bench, 1, 16, cpu, warmup=1, steps=1)
     fwd, step = (bench_e2e.category_times(profs[m], False) for m in ("forward", "train"))
@@ -671,108 +577,90 @@ def test_bench_e2e_sweep_numbers_profile_cpu_run():
     assert [r[0] for r in stages] == list(bench_e2e.NAIVE_RANGES)
     assert float(stages[1][4][:-1]) < float(stages[2][4][:-1])  # the softmax's FLOP share is the smaller
     trace = os.path.join(tempfile.mkdtemp(), "step.json")  # and the whole script: vocab widths, GEMMs, profile
-    code, out, err = call_main("bench_e2e.py", "--device", "cpu", "--batch", 1, "--seq", 16, "--vocab", "50257,50304",
-                               "--attn", "naive", "--trace", trace, "--rounds", 1)
-    assert code == 0 and all(title in out for title in ("where a train step's time goes", "output-layer GEMMs alone",
-                                                        "time by category", "naive attention, forward")), err + out
+    out, err = main_ok("bench_e2e.py", "--device", "cpu", "--batch", 1, "--seq", 16, "--vocab", "50257,50304",
+                       "--attn", "naive", "--trace", trace, "--rounds", 1)
+    assert all(title in out for title in ("where a train step's time goes", "output-layer GEMMs alone",
+                                          "time by category", "naive attention, forward")), err + out
     assert out.strip().splitlines()[-1].startswith("best train throughput"), out
     assert bench_e2e.starts_with(b"{")(trace) and json.load(open(trace))["traceEvents"]  # ours: may be overwritten
 
-
 def test_bench_e2e_bad_input():
     d = tempfile.mkdtemp()
-    check_bad_inputs([("bench_e2e.py", args, says) for args, says in (
-        (["--model", "huge"], "unknown model"), (["--model", "tiny", "--seq", 1000], "at most 256"),
-        *[([f"--{flag}", 0], f"--{flag} must be at least 1") for flag in ("batch", "rounds", "steps", "warmup")],
-        (["--batch", "2,x"], "integers separated by commas"), (["--vocab", 50000], "--vocab must be at least 50257"),
-        (["--mode", "backward"], "invalid choice"), (["--bf16", "--fp16"], "exclusive"),
-        (["--device", "cpu", "--fp16"], "needs a CUDA GPU"), (["--device", "cpu", "--attn", "triton"], "needs a CUDA"),
-        (["--device", "banana"], "not a device"), (["--device", "cuda:7"], "--device cuda:7"),
+    check_bad_inputs("bench_e2e.py", [
+        ("--model huge", "unknown model"), ("--model tiny --seq 1000", "at most 256"),
+        *[(f"--{flag} 0", f"--{flag} must be at least 1") for flag in ("batch", "rounds", "steps", "warmup")],
+        ("--batch 2,x", "integers separated by commas"), ("--vocab 50000", "--vocab must be at least 50257"),
+        ("--mode backward", "invalid choice"), ("--bf16 --fp16", "exclusive"),
+        ("--device cpu --fp16", "needs a CUDA GPU"), ("--device cpu --attn triton", "needs a CUDA"),
+        ("--device banana", "not a device"), ("--device cuda:7", "--device cuda:7"),
         (["--trace", os.path.join(d, "missing", "t.json")], "does not exist"), (["--trace", d], "is a directory"),
         (["--trace", os.path.join(HERE, "input.txt")], "refusing to overwrite"),
-        (["--plot", os.path.join(d, "p.png")], "add --ladder"), (["--ladder", "--batch", "1,2"], "one --batch"),
+        (["--plot", os.path.join(d, "p.png")], "add --ladder"), ("--ladder --batch 1,2", "one --batch"),
         (["--ladder", "--plot", os.path.join(d, "missing", "p.png")], "does not exist"),
-        (["--ladder", "--bf16"], "sets precision"))])
-
+        ("--ladder --bf16", "sets precision")])
 
 NANOGPT_STAND_IN = """
-from dataclasses import dataclass
+import dataclasses
 import gpt
 
-
-@dataclass
-class GPTConfig:  # nanoGPT's names and defaults
-    block_size: int = 1024
-    vocab_size: int = 50304
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True
-
+GPTConfig = dataclasses.make_dataclass("GPTConfig", [  # nanoGPT's names and defaults
+    ("block_size", int, 1024), ("vocab_size", int, 50304), ("n_layer", int, 12), ("n_head", int, 12),
+    ("n_embd", int, 768), ("dropout", float, 0.0), ("bias", bool, True)])
 
 class GPT(gpt.GPT):  # nanoGPT's interface over our model with the plain loss
     def __init__(self, c):
-        super().__init__(gpt.GPTConfig(c.n_layer, c.n_head, c.n_embd, 4 * c.n_embd, c.block_size, c.vocab_size, fused_ce=False))
+        super().__init__(gpt.GPTConfig(c.n_layer, c.n_head, c.n_embd, 4 * c.n_embd, c.block_size, c.vocab_size,
+                                       fused_ce=False))
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         print("using fused AdamW:", device_type == "cuda")
         return gpt.configure_optimizer(self, learning_rate, weight_decay, betas)
 """
 
-
 def test_bench_e2e_nanogpt_cpu():
-    """--nanogpt PATH times a model.py with nanoGPT's interface (here a stand-in) against ours in the same rounds:
-    a row per variant, tokens/s ratios paired per round, the summary; a folder without model.py is refused."""
+    """--nanogpt PATH times a nanoGPT-interface model.py (a stand-in) and ours in the same rounds, ratios paired per
+    round; a folder without model.py is refused."""
     with tempfile.TemporaryDirectory() as tmp:
         open(os.path.join(tmp, "model.py"), "w").write(NANOGPT_STAND_IN)
-        code, out, err = call_main("bench_e2e.py", "--nanogpt", tmp, "--device", "cpu", "--batch", 1, "--seq", 16,
-                                   "--rounds", 2)
-        assert code == 0 and "using fused AdamW: False" in err and "using fused" not in out, out + err
+        out, err = main_ok("bench_e2e.py", "--nanogpt", tmp, "--device", "cpu", "--batch", 1, "--seq", 16, "--rounds", 2)
+        assert "using fused AdamW: False" in err and "using fused" not in out, out + err
         rows = {line[:32].strip(): line for line in out.splitlines() if line.startswith(("nanoGPT model", "ours, "))}
         assert list(rows) == ["nanoGPT model.py", "ours, plain loss (--no-fused-ce)", "ours, the headline"], out
         assert all(rows[n].count("x (") == 1 for n in list(rows)[1:]) and "x (" not in rows["nanoGPT model.py"], out
         assert out.strip().splitlines()[-1].startswith("nanogpt: the headline makes "), out
         os.remove(os.path.join(tmp, "model.py"))
-        check_bad_inputs([("bench_e2e.py", ["--nanogpt", tmp], "no model.py there"),
-                          ("bench_e2e.py", ["--nanogpt", HERE, "--ladder"], "--nanogpt compares one")])
-
+        check_bad_inputs("bench_e2e.py", [(["--nanogpt", tmp], "no model.py there"),
+                                          (["--nanogpt", HERE, "--ladder"], "--nanogpt compares one")])
 
 @gpu
 def test_bench_e2e_gpu_ladder_peaks_oom():
     cuda = torch.device("cuda")
     torch.cuda.set_per_process_memory_fraction(0.3)  # its own process: the OOM cells leave the others room
     torch._dynamo.reset()  # every rung (compiled, graphed, fused, FP8) starts from the same loss
-    config, (x, y) = gpt.make_config("tiny"), bench_e2e.batch_of(4, 128, cuda)
-    losses = [bench_e2e.run_step("train", bench_e2e.build(config, s, cuda), x, y).item()
-              for _, change, s in bench_e2e.rungs() if bench_e2e.skip_reason(change, s, cuda) is None]
+    losses = rung_losses(gpt.make_config("tiny"), *bench_e2e.batch_of(4, 128, cuda), cuda)
     gpt.set_tf32(False)
     assert len(losses) == len(bench_e2e.LADDER) - (0 if gpt.fp8_supported(cuda) else 1), losses
     assert all(abs(v - losses[0]) < 0.02 * losses[0] for v in losses), losses
     # 4M tokens' activations cannot fit: OOM cells. Two warm-up steps: the second has AdamW's state
-    times, stats = _sweep(cuda, batch=[4, 8, 16384], seq=[256], warmup=2)
+    times, stats = sweep(cuda, batch=[4, 8, 16384], seq=[256], warmup=2)
     peak = {(b, m): stats[(50257, b, 256, m)].peak for b in (4, 8) for m in bench_e2e.MODES}
     for b in (4, 8):  # every cell counts the weights and AdamW's state; with the fused loss the tiny model's
         # peak is the loss chunk's logits, inside the forward, so the three may be equal
         assert peak[(b, "train")] >= peak[(b, "forward-backward")] >= peak[(b, "forward")] > 0, peak
     assert all(peak[(8, m)] > peak[(4, m)] for m in bench_e2e.MODES), peak
     assert all(stats[(50257, 16384, 256, m)] is None for m in bench_e2e.MODES)
-    assert_bad_input("bench_e2e.py", "--model", "tiny", "--batch", 16384, "--seq", 256, "--mode", "forward",
-                     "--rounds", 1, "--profile", says="out of GPU memory in the profiled configuration")
+    check_bad_inputs("bench_e2e.py", [("--model tiny --batch 16384 --seq 256 --mode forward --rounds 1 --profile",
+                                       "out of GPU memory in the profiled configuration")])
 
 
 # --- 6. memory.py: the model against live tensors (one process, DDP and FSDP ranks); parallel; bad input
 
 def test_memory_account_exact_on_cpu():
-    """State bytes, bytes saved for backward (saved-tensor hooks), a step's forward and backward
-    peaks of live bytes (counted op by op) and each block's, cut at LayerNorm backwards (under FSDP
-    a stretch starts with the block above's last op, which holds its unreduced gradients), equal
-    the prediction: fused loss in one chunk and several, plain loss, fp32 and bf16, naive attention,
-    recompute K, groups of k blocks (same gradients), and rank 0 of 2 under DDP and FSDP2 through
-    the fake process group. Not on a CPU: the CUDA allocator, NCCL, LayerNorm in fp32 under
-    autocast, the Triton loss kernel (account encodes them; the GPU test checks the whole)."""
-    import gpt
-    import memory
+    """memory.account = live tensors counted op by op: state bytes, bytes saved for backward, the forward and backward
+    peaks and each block's, over loss layouts, dtypes, recompute, block groups and rank 0 of 2 (DDP, FSDP2)."""
+    # a block's stretch is cut at LayerNorm backwards (under FSDP it starts with the block above's last op, which holds
+    # its unreduced gradients). Left to the GPU test: the CUDA allocator, NCCL, fp32 LayerNorm under autocast, the
+    # Triton loss kernel
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -832,83 +720,69 @@ def test_memory_account_exact_on_cpu():
         dist.destroy_process_group()
     assert {"forward: loss chunk", "forward: loss end", "forward end", "backward start", "backward end"} <= seen
 
-
 def test_memory_parallel_rows_and_max_batch():
-    """Per rank, DP replicates 16 B/param and ZeRO-1/2/FSDP divide 8, 12, 16 of them by the ranks;
-    the GPT rows use FSDP's padded shards. The largest batch that fits a budget inverts the model."""
-    import memory
-    from gpt import make_config
+    """Per rank, DP replicates 16 B/param and ZeRO-1/2/FSDP divide 8, 12, 16 of them by the ranks (GPT rows: FSDP's
+    padded shards); the largest batch that fits a budget inverts the model."""
     n = 126 * 2 * 16384 * 53248
     for stage, sharded in enumerate((0, 8, 12, 16)):
         assert sum(memory.per_rank_bytes(n, 8, stage).values()) == n * (16 - sharded) + n * sharded / 8
     code, out, _ = call_main("memory.py", "parallel")
     assert code == 0 and "219,848,638,464 parameters" in out and f"N_FSDP = {-(-n * 16 // (95 * 10**9))} " in out
-    code, out, _ = call_main("memory.py", "parallel", "--model", "xl", "--world", "2", "--bf16")
+    out = call_main("memory.py", "parallel", "--model", "xl", "--world", "2", "--bf16")[1]
     rows = {line.split(",")[0]: line.split()[-5:] for line in out.splitlines() if " ranks " in line}
-    fsdp, cfg = memory.account(make_config("xl"), 4, 1024, torch.bfloat16, world=2), make_config("gpt2")
+    fsdp, cfg = memory.account(gpt.make_config("xl"), 4, 1024, torch.bfloat16, world=2), gpt.make_config("gpt2")
     assert rows["FSDP (ZeRO-3)"][0] == f"{4 * fsdp['params'] / 2**30:.2f}" and rows["ZeRO-2"][0] == rows["DP"][0]
     assert float(rows["ZeRO-2"][1]) * 2 == float(rows["DP"][1]) and f"{fsdp['peak'] / 2**30:.2f} GiB" in out, out
-    peak = lambda B: memory.account(cfg, B, 1024, torch.bfloat16)["peak"]
-    assert [memory.predict_max_batch(cfg, 1024, torch.bfloat16, peak(B) - d) for B, d in ((37, 1), (12, 0))] == [36, 12]
-
+    budgets = [memory.account(cfg, B, 1024, torch.bfloat16)["peak"] - d for B, d in ((37, 1), (12, 0))]
+    assert [memory.predict_max_batch(cfg, 1024, torch.bfloat16, budget) for budget in budgets] == [36, 12]
 
 def test_memory_bad_input():
     with tempfile.TemporaryDirectory() as d:
         open(theirs := os.path.join(d, "theirs.pickle"), "w").write("not ours")
-        check_bad_inputs([("memory.py", args.split() if isinstance(args, str) else args, says) for args, says in [
+        check_bad_inputs("memory.py", [
             ("nonsense", "unknown part"), ("account --model huge", "unknown model"), ("account --seq 4096", "block"),
             ("account --device banana", "not a device"), ("account --device cuda:7", "cuda"),
-            ("account --batch 0", "positive"), ("account --vocab 100", "vocab"), ("account --model tiny --recompute 9", "recompute"),
-            ("account --fsdp --ddp", "exclude"), ("account --fsdp --world 1", "--world"),
-            ("account --compile --device cpu", "--compile"), ("checkpoint --recompute 1", "recompute"),
-            ("parallel --fsdp", "apply to account"), ("account --sweep --fsdp", "--sweep"),
-            ("parallel --device-gb 0", "device-gb"), ("parallel --act-gb -1", "act"),
-            ("checkpoint --rounds 0", "positive"), ("parallel --params -5", "positive"),
+            ("account --batch 0", "positive"), ("account --vocab 100", "vocab"),
+            ("account --model tiny --recompute 9", "recompute"), ("account --fsdp --ddp", "exclude"),
+            ("account --fsdp --world 1", "--world"), ("account --compile --device cpu", "--compile"),
+            ("checkpoint --recompute 1", "recompute"), ("parallel --fsdp", "apply to account"),
+            ("account --sweep --fsdp", "--sweep"), ("parallel --device-gb 0", "device-gb"),
+            ("parallel --act-gb -1", "act"), ("checkpoint --rounds 0", "positive"), ("parallel --params -5", "positive"),
             ("snapshot --out a", ".pickle"), ("snapshot --device cpu", "needs a CUDA GPU"),
             ("account --attn cudnn --device cpu", "needs a CUDA GPU"),
             ("account --batch 100000 --device cpu", "of this machine's memory"),  # refused, not OOM-killed
             (["snapshot", "--out", theirs], "not a file this script wrote"),
-            (["snapshot", "--out", os.path.join(d, "missing", "s.pickle")], "does not exist")]])
-
+            (["snapshot", "--out", os.path.join(d, "missing", "s.pickle")], "does not exist")])
 
 @gpu
 def test_memory_on_the_gpu():
-    """The predicted peak is within 10% of max_memory_allocated (gpt2, fused and plain loss, fp32
-    and bf16); a snapshot is written; a batch that cannot fit exits 2 naming one that would."""
-    import memory
-    from gpt import make_config
+    """The predicted peak is within 10% of max_memory_allocated (gpt2, fused and plain loss, fp32 and bf16); a
+    snapshot is written; a batch that cannot fit exits 2 naming one that would."""
     for fused in (True, False):
         for dtype in (None, torch.bfloat16):
-            cfg = make_config("gpt2", fused_ce=fused)
+            cfg = gpt.make_config("gpt2", fused_ce=fused)
             measured = max(memory.measure_step(cfg, 8, 512, dtype, torch.device("cuda", 0)).values())
             assert abs(memory.account(cfg, 8, 512, dtype)["peak"] / measured - 1) <= 0.10, (fused, dtype, measured)
     with tempfile.TemporaryDirectory() as d:
         snap = os.path.join(d, "s.pickle")
         code, out, err = call_main("memory.py", "snapshot", "--seq", 256, "--batch", 4, "--bf16", "--out", snap)
         assert code == 0 and os.path.getsize(snap) > 0 and "memory_viz" in out, (out, err)
-    assert_bad_input("memory.py", "account", "--model", "xl", "--batch", "4096", "--seq", "1024", says="predicts batch")
+    check_bad_inputs("memory.py", [("account --model xl --batch 4096 --seq 1024", "predicts batch")])
 
 
 # --- 7. ddp.py: every wrapper, ZeRO and FSDP equal one process; the interleaved benchmark; bad input
-
-import ddp  # noqa: E402
-
 
 class NoSyncDDP(ddp.DataParallel):  # trains without averaging: the selftest must catch it (module level: a
     def finish_gradient_synchronization(self):  # spawned rank unpickles it by name)
         pass
 
-
 def kill_rank_one(rank, *_):
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
 
-
 def test_ddp_selftest_matches_one_process():
-    """On 2 and 4 gloo ranks every wrapper ends with the weights of one process on the whole batch (fp32 on 2 ranks:
-    bitwise, torch.equal), and the selftest catches a wrapper that trains without averaging."""
-    import ddp
-
+    """On 2 and 4 gloo ranks every wrapper ends with one process's weights (fp32 on 2 ranks: bitwise, torch.equal);
+    the selftest catches a wrapper that trains without averaging."""
     ddp.TOY_VARIANTS["no-sync"] = (NoSyncDDP, "sgd", 2e-6)
     try:
         runs = {world: call_main("ddp.py", "selftest", "--world", world, "--backend", "gloo") for world in (2, 4)}
@@ -917,36 +791,29 @@ def test_ddp_selftest_matches_one_process():
     n = len(ddp.TOY_VARIANTS)
     for world, (code, out, err) in runs.items():
         assert code == 1 and f"{n} of {n + 1} variants match one-process training; FAILED: no-sync" in out, out + err
-    rows = {line.split()[0]: line.split()[1:] for line in runs[2][1].splitlines() if line.split()[:1] in (["fsdp"], ["bucket"])}
+    rows = {ln.split()[0]: ln.split()[1:] for ln in runs[2][1].splitlines() if ln.split()[:1] in (["fsdp"], ["bucket"])}
     assert rows["fsdp"] == ["0.0e+00", "bitwise", "ok"] and rows["bucket"][1:] == ["bitwise", "ok"], runs[2][1]
 
-
 def test_ddp_benchmark_and_allreduce_cpu_smoke():
-    """On 2 gloo ranks: a benchmark row per variant with step, paired ratio and phase split, and the
-    all-reduce table (2 ranks: busbw = algbw x 2(n-1)/n = algbw)."""
-    import importlib.util
-
+    """On 2 gloo ranks: a benchmark row per variant with step, paired ratio and phase split, and the all-reduce table
+    (2 ranks: busbw = algbw x 2(n-1)/n = algbw)."""
     with tempfile.TemporaryDirectory() as tmp:
         plot = ["--plot", os.path.join(tmp, "ddp.png")] if importlib.util.find_spec("matplotlib") else []
-        code, out, err = call_main("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--rounds", 1, "--steps", 1,
-                                   "--warmup", 1, "--variants", "local,torch,zero2,fsdp:bf16,fsdp2", *plot)
-        assert code == 0 and (not plot or os.path.getsize(plot[1]) > 0), out + err
+        out, err = main_ok("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--rounds", 1, "--steps", 1,
+                           "--warmup", 1, "--variants", "local,torch,zero2,fsdp:bf16,fsdp2", *plot)
+        assert not plot or os.path.getsize(plot[1]) > 0, out + err
     for label in ("local (no comm)", "torch DDP", "ZeRO-2", "FSDP bf16 compute", "torch FSDP2"):
         row = next((line for line in out.splitlines() if line.startswith(label + "  ")), label)
         assert len(row.split()) >= 10 and float(row[len(label):].split()[0]) > 0 and "x (" in row, out
     assert out.splitlines()[-1].startswith("summary: step (memory) vs torch DDP's: local (no comm)"), out
-    code, out, err = call_main("ddp.py", "allreduce", "--world", 2, "--backend", "gloo", "--sizes", "4K,64K", "--reps", 3, "--warmup", 1)
+    code, out, err = call_main("ddp.py", "allreduce", "--world", 2, "--backend", "gloo", "--sizes", "4K,64K",
+                               "--reps", 3, "--warmup", 1)
     rows = [line.split() for line in out.splitlines() if line.startswith("2 ")]
     assert code == 0 and [r[1:3] for r in rows] == [["4", "KiB"], ["64", "KiB"]], out + err
     assert all(float(r[-3]) > 0 and r[-1] == r[-2] for r in rows) and out.splitlines()[-1].startswith("summary:")
 
-
 def test_ddp_rank_killed_is_one_line():
     """A rank the kernel kills (here: SIGKILL to itself) is reported in one line, exit 2."""
-    import contextlib
-    import io
-    import types
-
     with contextlib.redirect_stderr(io.StringIO()) as err:
         try:
             code = ddp.launch(kill_rank_one, 2, "gloo", types.SimpleNamespace(timeout=30))
@@ -954,42 +821,46 @@ def test_ddp_rank_killed_is_one_line():
             code = e.code
     assert code == 2 and err.getvalue().strip() == "error: rank 1 was killed by SIGKILL (out of memory?)", err.getvalue()
 
-
 def test_ddp_bad_inputs():
     with tempfile.TemporaryDirectory() as tmp:
-        check_bad_inputs([("ddp.py", args.split(), says) for args, says in [
+        check_bad_inputs("ddp.py", [
             ("benchmark --world 0", "--world must be at least 1"), ("selftest --world 3", "1, 2, 4 or 8 ranks"),
-            ("benchmark --world 4096", f"more than the {torch.cuda.device_count()} GPUs" if HAS_CUDA else "GiB of host memory"),
+            ("benchmark --world 4096",
+             f"more than the {torch.cuda.device_count()} GPUs" if HAS_CUDA else "GiB of host memory"),
             (f"benchmark --plot {tmp}/missing/ddp.png", "does not exist"), (f"benchmark --plot {tmp}", "is a directory"),
-            ("selftest --steps 0", "at least 1"), ("allreduce --sizes 3B", "not a whole number"), ("allreduce --sizes 1X", "not a whole"),
-            ("allreduce --sizes 4096G", "4096 GiB"), ("allreduce --warmup -1", "at least 0"), ("allreduce --world 2,x", "--world"),
-            ("benchmark --warmup 0", "--warmup must be at least 1"), ("benchmark --rounds 0", "--rounds must be at least 1"),
-            ("benchmark --seq 100000", "block size"), ("benchmark --model banana", "unknown model"), ("benchmark --variants ,", "empty"),
-            ("benchmark --vocab 100", "below the tokenizer"), ("benchmark --variants fsdp,bogus", "unknown 'bogus'"),
-            ("benchmark --variants local:bf16", "unknown 'local:bf16'"), ("benchmark --bucket-mb 0", "--bucket-mb must be at least"),
+            ("selftest --steps 0", "at least 1"), ("allreduce --sizes 3B", "not a whole number"),
+            ("allreduce --sizes 1X", "not a whole"), ("allreduce --sizes 4096G", "4096 GiB"),
+            ("allreduce --warmup -1", "at least 0"), ("allreduce --world 2,x", "--world"),
+            ("benchmark --warmup 0", "--warmup must be at least 1"),
+            ("benchmark --rounds 0", "--rounds must be at least 1"),
+            ("benchmark --seq 100000", "block size"), ("benchmark --model banana", "unknown model"),
+            ("benchmark --variants ,", "empty"), ("benchmark --vocab 100", "below the tokenizer"),
+            ("benchmark --variants fsdp,bogus", "unknown 'bogus'"),
+            ("benchmark --variants local:bf16", "unknown 'local:bf16'"),
+            ("benchmark --bucket-mb 0", "--bucket-mb must be at least"),
             ("benchmark --timeout 0", "--timeout must be at least 1"),
-        ] + ([] if HAS_CUDA else [("selftest --backend nccl", "needs CUDA")])])
-
+        ] + ([] if HAS_CUDA else [("selftest --backend nccl", "needs CUDA")]))
 
 @gpu
 def test_ddp_gpu_selftest_and_benchmark():
-    """Over NCCL every wrapper matches one process, and the benchmark's GPU paths (CUDA events, memory
-    groups, torch's bf16 hook, FSDP2) give numbers in every row of a small model, none OOM."""
+    """Over NCCL every wrapper matches one process, and the benchmark's GPU paths (CUDA events, memory groups, torch's
+    bf16 hook, FSDP2) give numbers in every row of a small model, none OOM."""
     world = min(2, torch.cuda.device_count())
     assert "10 of 10 variants match" in run("ddp.py", "selftest", "--world", world, "--timeout", 120, timeout=300).stdout
     out = run("ddp.py", "benchmark", "--world", world, "--model", "tiny", "--batch", 2, "--seq", 64, "--rounds", 2,
               "--steps", 1, "--warmup", 1, "--timeout", 120, timeout=600).stdout
     table = out.split("-----")[-1].split("\nstep: median")[0]
     assert "OOM" not in table and "n/a" not in table, out
-    assert all(label in table for label in ("BucketDDP bf16 comm", "torch DDP bf16 comm", "ZeRO-2", "FSDP bf16 compute", "torch FSDP2"))
+    assert all(label in table for label in ("BucketDDP bf16 comm", "torch DDP bf16 comm", "ZeRO-2", "FSDP bf16 compute",
+                                            "torch FSDP2"))
 
 
 # --- 8. flash_triton.py: both autograd Functions vs float64, the saved logsumexp, determinism, bad input
 
-def _flash_check(device, cases, shapes):
-    """Both Functions' apply(q, k, v, is_causal, scale, precision) against float64 written out here: O,
-    the one fp32 logsumexp they save, the gradients; the Triton backward twice, bitwise. A case
-    (tma_dims, dtype, tol) loads tiles through TMA descriptors at the head dims tma_dims."""
+def flash_check(device, cases, shapes):
+    """Both Functions' apply(q, k, v, is_causal, scale, precision) against float64 written out here: O, the one fp32
+    logsumexp they save, the gradients; the Triton backward twice, bitwise. A case (tma_dims, dtype, tol) loads
+    tiles through TMA descriptors at the head dims tma_dims."""
     import flash_triton as ft
 
     default = ft.TMA_HEAD_DIMS
@@ -998,7 +869,8 @@ def _flash_check(device, cases, shapes):
         # exact fp32 kernels compile slowly (unrolled FMA dots): the first two shapes suffice there
         for shape_q, shape_k, causal in shapes[:2] if dtype == torch.float32 else shapes:
             gen = torch.Generator(device=device).manual_seed(1)
-            q, k, v, do = (torch.randn(s, generator=gen, device=device).to(dtype) for s in (shape_q, shape_k, shape_k, shape_q))
+            q, k, v, do = (torch.randn(s, generator=gen, device=device).to(dtype)
+                           for s in (shape_q, shape_k, shape_k, shape_q))
             scale = 0.3 if len(shape_q) == 3 else None  # also an explicit scale
             ref = [t.double().requires_grad_() for t in (q, k, v)]
             s = (ref[0] @ ref[1].transpose(-1, -2)) * (shape_q[-1] ** -0.5 if scale is None else scale)
@@ -1015,52 +887,41 @@ def _flash_check(device, cases, shapes):
                 if fn is ft.FlashAttention:
                     again = torch.autograd.grad(fn.apply(*leaves, causal, scale, "ieee"), leaves, do)
                     assert all(torch.equal(a, b) for a, b in zip(grads, again)), "backward is not deterministic"
-                errs = [((x.double() - r).norm() / r.norm()).item() for x, r in zip((o, lse[0], *grads), expected)]
+                errs = [rel_err(x.double(), r) for x, r in zip((o, lse[0], *grads), expected)]
                 assert max(errs) < tol, (fn.__name__, tma_dims, dtype, shape_q, shape_k, causal, errs)
     ft.TMA_HEAD_DIMS = default
 
-
-def _flash_interpreted():
+def flash_interpreted():
     # head dims 16/32/64, ragged lengths, Nq != Nk, 3-, 4- and 5-D, causal and not; TMA loads (D128
     # only by default) at every head dim too: the interpreter runs them as masked loads
     import flash_triton as ft
 
-    _flash_check("cpu", [((), torch.float32, 1e-5), ((), torch.float16, 5e-3), ((16, 32, 64), torch.float16, 5e-3)],
-                 [((1, 2, 37, 16), (1, 2, 37, 16), True), ((2, 40, 32), (2, 100, 32), False),
-                  ((1, 1, 100, 64), (1, 1, 100, 64), True), ((2, 1, 2, 33, 16), (2, 1, 2, 33, 16), False)])
-    code, out, err = call_main("flash_triton.py")  # without a GPU: the kernels against the PyTorch reference
-    assert code == 0 and out.strip().endswith(": ok"), out + err
-    check_bad_inputs([("flash_triton.py", args, args[0]) for args in [
-        ["--shapes", "1x16x1024"], ["--shapes", "1x16x1024x48"], ["--shapes", "0x1x64x64"], ["--repeats", "0"],
-        ["--plot", "/nonexistent/a.png"]]])
+    flash_check("cpu", [((), torch.float32, 1e-5), ((), torch.float16, 5e-3), ((16, 32, 64), torch.float16, 5e-3)],
+                [((1, 2, 37, 16), (1, 2, 37, 16), True), ((2, 40, 32), (2, 100, 32), False),
+                 ((1, 1, 100, 64), (1, 1, 100, 64), True), ((2, 1, 2, 33, 16), (2, 1, 2, 33, 16), False)])
+    out, err = main_ok("flash_triton.py")  # without a GPU: the kernels against the PyTorch reference
+    assert out.strip().endswith(": ok"), out + err
+    check_bad_inputs("flash_triton.py", [(a, a.split()[0]) for a in (
+        "--shapes 1x16x1024", "--shapes 1x16x1024x48", "--shapes 0x1x64x64", "--repeats 0", "--plot /nonexistent/a.png")])
     x = torch.randn(1, 2, 8, 16)
     for args, says in [((torch.randn(1, 2, 8, 48),) * 3, "head dim 48"), ((x, x.half(), x), "dtype"),
                        ((x, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), True), "causal"),
                        ((torch.randn(8, 16),) * 3, "(batch, seq, d)"), ((x, x, x, False, None, "fp8"), "precision"),
                        ((x.double(),) * 3, "dtype"), ((x, x[:, :1], x), "do not match")]:
-        try:
-            ft.FlashAttention.apply(*args)
-            raise AssertionError(f"no error for {says}")
-        except ValueError as e:
-            assert says in str(e), (says, str(e))
-
+        assert_raises(says, ft.FlashAttention.apply, *args)
 
 def test_flash_interpreter_reference_script_bad_input():
     # TRITON_INTERPRET=1 must be set before triton is imported: a fresh process (this one may have imported it)
-    proc = subprocess.run([sys.executable, "-c", "import test_all; test_all._flash_interpreted()"], cwd=HERE,
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-
+    run("-c", "import test_all; test_all.flash_interpreted()", timeout=300, TRITON_INTERPRET="1")
 
 @gpu
 def test_flash_gpu_matches_reference(dtypes=(torch.float32, torch.float16, torch.bfloat16)):
     # full size, every dtype (or those asked for); D128 loads through TMA descriptors, the others by pointer
     tolerance = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-    _flash_check("cuda", [((128,), dtype, tolerance[dtype]) for dtype in dtypes],
-                 [((2, 4, 1024, 64), (2, 4, 1024, 64), True), ((1, 3, 517, 32), (1, 3, 781, 32), False),
-                  ((2, 1000, 128), (2, 1000, 128), True), ((1, 2, 300, 16), (1, 2, 300, 16), True),
-                  ((2, 2, 3, 256, 64), (2, 2, 3, 256, 64), True)])
-
+    flash_check("cuda", [((128,), dtype, tolerance[dtype]) for dtype in dtypes],
+                [((2, 4, 1024, 64), (2, 4, 1024, 64), True), ((1, 3, 517, 32), (1, 3, 781, 32), False),
+                 ((2, 1000, 128), (2, 1000, 128), True), ((1, 2, 300, 16), (1, 2, 300, 16), True),
+                 ((2, 2, 3, 256, 64), (2, 2, 3, 256, 64), True)])
 
 @gpu
 def test_flash_torch_compile():
@@ -1071,13 +932,10 @@ def test_flash_torch_compile():
         ours, ref = [(o, *torch.autograd.grad(o.float().square().sum(), (q, k, v))) for o in (
             torch.compile(ft.FlashAttention.apply)(q, k, v, True),
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))]
-        assert all(((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2 for a, b in zip(ours, ref)), D
-
+        assert all(rel_err(a.float(), b.float()) < 2e-2 for a, b in zip(ours, ref)), D
 
 @gpu
 def test_flash_train_matches_sdpa():
-    import re
-
     def losses(attn):
         out = run("train.py", "--model", "tiny", "--steps", "8", "--batch", "4", "--seq", "128", "--bf16", "--device",
                   "cuda", "--attn", attn).stdout
@@ -1085,21 +943,39 @@ def test_flash_train_matches_sdpa():
 
     with ThreadPoolExecutor(2) as pool:  # both processes at once
         ref, ours = pool.map(losses, ["sdpa", "triton"])
-    assert ref and len(ours) == len(ref) and all(abs(a - b) < 0.05 * abs(b) + 0.02 for a, b in zip(ours, ref)), (ours, ref)
+    assert ref and len(ours) == len(ref) and all(abs(a - b) < 0.05 * abs(b) + 0.02 for a, b in zip(ours, ref)), \
+        (ours, ref)
 
+
+# --- 9. the repository: every script short enough to read through
+
+def test_file_sizes_and_line_lengths():
+    """Every tracked script: at most 650 lines (ddp.py 700, test_all.py 800), no line over 120 characters."""
+    limits, bad = {"ddp.py": 700, "test_all.py": 800}, []
+    try:  # the tracked scripts; outside a git checkout, the folder's
+        names = subprocess.run(["git", "ls-files", "*.py"], cwd=HERE, capture_output=True, text=True).stdout.split()
+    except FileNotFoundError:
+        names = []
+    for name in names or sorted(n for n in os.listdir(HERE) if n.endswith(".py")):
+        lines = open(os.path.join(HERE, name), encoding="utf-8").read().splitlines()
+        if len(lines) > limits.get(name, 650):
+            bad.append(f"{name}: {len(lines)} lines, more than {limits.get(name, 650)}")
+        if long := [i for i, line in enumerate(lines, 1) if len(line) > 120]:
+            bad.append(f"{name}: {len(long)} lines over 120 characters (line {', '.join(map(str, long[:5]))} ...)")
+    assert not bad, "\n".join(bad)
 
 def run_isolated(name):
-    """A CUDA test in a process of its own: a crash, a leaked memory cap or a poisoned CUDA context
-    stays there, and several run at once (the GPU has room; most of their time is compiling)."""
+    """A CUDA test in a process of its own: a crash, a leaked memory cap or a poisoned CUDA context stays there, and
+    several run at once (the GPU has room; most of their time is compiling)."""
     start = time.time()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--isolated", name], cwd=HERE, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env())
     return name, proc.returncode == 0, time.time() - start, proc.stdout
-
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     tests = [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]
+    cuda = {n for n, f in tests if getattr(f, "needs_cuda", False)}
     if argv[:1] == ["--isolated"]:  # run_isolated's child: one test, its traceback, exit 1 if it failed
         try:
             dict(tests)[argv[1]]()
@@ -1110,29 +986,26 @@ def main(argv=None):
     if "-h" in argv or "--help" in argv:
         print("usage: python test_all.py [--gpu-only] [SUBSTRING ...]\n\nRuns every test whose name contains "
               "one of the substrings (all tests without any); --gpu-only keeps the CUDA ones. Tests:")
-        print("\n".join(f"  {n}{'  (CUDA)' if getattr(f, 'needs_cuda', False) else ''}" for n, f in tests))
+        print("\n".join(f"  {n}{'  (CUDA)' if n in cuda else ''}" for n, _ in tests))
         return
-    gpu_only = "--gpu-only" in argv
-    only = [a for a in argv if a != "--gpu-only"]
+    gpu_only, only = "--gpu-only" in argv, [a for a in argv if a != "--gpu-only"]
     if unknown := [a for a in only if a.startswith("-")]:
         print(f"error: unknown option {unknown[0]}; see python test_all.py --help", file=sys.stderr)
         sys.exit(2)
-    tests = [(n, f) for n, f in tests if not only or any(s in n for s in only)]
-    tests = [(n, f) for n, f in tests if not gpu_only or getattr(f, "needs_cuda", False)]
+    tests = [(n, f) for n, f in tests if (not only or any(s in n for s in only)) and (not gpu_only or n in cuda)]
     if not tests:
         print(f"error: no test matches {' '.join(only) or '--gpu-only'}; python test_all.py --help lists them",
               file=sys.stderr)
         sys.exit(2)
     passed = failed = skipped = 0
-    start_all = time.time()
-    on_gpu = [n for n, f in tests if getattr(f, "needs_cuda", False)] if HAS_CUDA else []
+    start_all, on_gpu = time.time(), [n for n, _ in tests if n in cuda] if HAS_CUDA else []
     if on_gpu:  # four processes at once: each with every core's worth of spinning threads would take turns for minutes
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 4) // 4))
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     pool = ThreadPoolExecutor(3)  # the CUDA tests, three at a time, while the others run here
     isolated = [pool.submit(run_isolated, name) for name in on_gpu]
     for name, test in tests:
-        if getattr(test, "needs_cuda", False):
+        if name in cuda:
             skipped += not HAS_CUDA
             continue
         start = time.time()
