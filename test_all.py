@@ -27,8 +27,7 @@ def env(**extra):  # unbuffered: a child's lines arrive as it prints them
     return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
 
 def run(*args, timeout=600, **extra_env):
-    """`python args...` in a fresh process, which must exit 0 (where torchrun, TRITON_INTERPRET or a memory cap
-    need one; otherwise call_main): the CompletedProcess."""
+    """`python args...` in a fresh process (torchrun, TRITON_INTERPRET, a memory cap), which must exit 0."""
     proc = subprocess.run([sys.executable, *map(str, args)], cwd=HERE, env=env(**extra_env), capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, \
@@ -58,8 +57,7 @@ def main_ok(script, *args):  # call_main, which must exit 0: (stdout, stderr)
     return out, err
 
 def check_bad_inputs(script, cases):
-    """Each (args, words) case (args: a list, or a string split as a shell does) must exit 2, no traceback, `words`
-    (any case) in the last line on stderr. Every case runs; the failures are reported together."""
+    """Each (args, words) case (args: a list or a shell string) exits 2 with `words` in its last stderr line."""
     failures = []
     for args, says in cases:
         args = shlex.split(args) if isinstance(args, str) else args
@@ -228,7 +226,8 @@ def test_fp8_linear_matches_bf16():
     torch.manual_seed(0)
     for d_in, d_out in ((768, 2304), (768, 3072), (3072, 768)):
         layer, outs = torch.nn.Linear(d_in, d_out).cuda(), []
-        x, dy = torch.randn(4, 1024, d_in, device="cuda", requires_grad=True), torch.randn(4, 1024, d_out, device="cuda")
+        x = torch.randn(4, 1024, d_in, device="cuda", requires_grad=True)
+        dy = torch.randn(4, 1024, d_out, device="cuda")
         for cls in (torch.nn.Linear, gpt.Fp8Linear):  # the same weights, then in FP8
             layer.__class__, x.grad, layer.weight.grad = cls, None, None
             with gpt.autocast("cuda", torch.bfloat16):
@@ -272,8 +271,7 @@ def test_train_cpu_learns_variants_agree_nan_stops():
     assert f"stopped: loss is nan at step {len(finite)}; likely cause: a learning rate" in out.splitlines()[-1], out
 
 def train_proc(args, torchrun=False, signum=None):
-    """train.py in a fresh process (torchrun: 2 ranks), sent `signum` once step 0's line is out (under torchrun to
-    rank 1 alone, a child of torchrun's main thread): (exit status, per-step losses, stdout, stderr)."""
+    """train.py in a fresh process (torchrun: 2 ranks), `signum` sent after step 0 (to rank 1 under torchrun)."""
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else []
     proc, head = popen(*launch, "train.py", *args, stderr=subprocess.PIPE), []
     for line in proc.stdout if signum else []:
@@ -287,8 +285,7 @@ def train_proc(args, torchrun=False, signum=None):
     return proc.returncode, step_values("".join(head) + out), "".join(head) + out, err
 
 def test_train_interrupts_resume_exactly_across_layouts():
-    """SIGINT to one process, SIGTERM to rank 1 of 2: all stop, save, say how to resume; resumed on one process, on
-    FSDP2's 2 ranks from DDP's checkpoint and on one process from FSDP's, every loss is one process's."""
+    """Interrupted runs save and say how to resume; resumed on 1 process, DDP or FSDP2, every loss is one process's."""
     ref = reference()[0]
     with tempfile.TemporaryDirectory() as tmp:
         code, first, out, err = train_proc([*TINY, "--ckpt", f"{tmp}/i.pt"], signum=signal.SIGINT)
@@ -326,8 +323,8 @@ def test_every_script_stops_cleanly_on_signals():
         out = proc.communicate(timeout=60)[0]
         watchdog.cancel()
         last = out.strip().splitlines()[-1] if out.strip() else ""
-        assert head and proc.returncode == 128 + signum and last.startswith("interrupted (") and "Traceback" not in out, \
-            (script, proc.returncode, out[-2000:])
+        stopped = proc.returncode == 128 + signum and last.startswith("interrupted (") and "Traceback" not in out
+        assert head and stopped, (script, proc.returncode, out[-2000:])
         assert script != "ddp.py" or (ranks and not any(map(running, ranks))), ranks
 
 def running(pid):  # whether pid exists and has not ended (an ended one nobody reaped is a zombie, state Z)
@@ -360,7 +357,8 @@ def test_train_bad_input_and_checkpoints():
     with tempfile.TemporaryDirectory() as tmp:
         open(f"{tmp}/short.txt", "wb").write(text[:2000])  # ~520 tokens: one batch of 2 x 32, a single validation row
         one, R = f"--device cpu --steps 2 --batch 2 --seq 32 --data {tmp}/short.txt", f"--resume --ckpt {tmp}"
-        assert "evaluating 1 sequences" in train_main(*one.split(), "--ckpt", f"{tmp}/ok.pt", "--stop-after", 1)[1]
+        ok = [*one.split(), "--ckpt", f"{tmp}/ok.pt"]  # the short run, with its checkpoint
+        assert "evaluating 1 sequences" in train_main(*ok, "--stop-after", 1)[1]
         state = torch.load(f"{tmp}/ok.pt", weights_only=True)
         for name, value in {"shape": {**state, "model": {**state["model"], "wpe.weight": torch.zeros(3, 3)}},
                             "model": {**state, "run": {**state["run"], "model": "gpt2"}}, "bare": state["model"],
@@ -370,21 +368,23 @@ def test_train_bad_input_and_checkpoints():
         check_bad_inputs("train.py", {
             "--model gpt5": "unknown model", "--model gpt2 --seq 2048": "block size", "--bf16 --fp16": "exclusive",
             "--vocab 50000": "below the tokenizer", "--min-lr 1e-3": "between 0 and --lr", "--device banana": "cuda:N",
-            "--fp8": "--fp8 needs", "--fsdp": "under torchrun", "--fsdp --fp16": "GradScaler", "--ckpt ''": "a file name",
-            "--model tiny --recompute 5": "above the 4", "--ckpt input.txt": "refusing to overwrite",
-            f"--ckpt {tmp}": "is a directory", f"--ckpt {tmp}/no/x.pt": "does not exist", f"{R}/none.pt": "--resume needs",
+            "--fp8": "--fp8 needs", "--fsdp": "under torchrun", "--fsdp --fp16": "GradScaler",
+            "--ckpt ''": "a file name", "--model tiny --recompute 5": "above the 4",
+            "--ckpt input.txt": "refusing to overwrite", f"--ckpt {tmp}": "is a directory",
+            f"--ckpt {tmp}/no/x.pt": "does not exist", f"{R}/none.pt": "--resume needs",
             f"--data {tmp}/input.txt": "missing", "--batch 2000 --seq 256": "training split holds",
             f"{one} --seq 64": "validation split holds", f"{one} --stop-after 1 {R}/ok.pt": "nothing left to run",
             f"{one} --steps 3 {R}/ok.pt": "made with --steps 2, not 3", f"{one} {R}/model.pt": "made with --model gpt2",
             f"{one} {R}/shape.pt": "wpe.weight is (3, 3) there", f"{R}/random.pt": "torch.load cannot read it",
             f"{R}/empty.pt": "empty file", f"{R}/bare.pt": "weights alone", f"{R}/tensor.pt": "bare tensor",
-            f"{one} --ckpt {tmp}/ok.pt": "already holds a checkpoint: continue it with --resume", "--resume": "needs --ckpt",
-            f"{R}/ok.pt --overwrite": "exclusive", f"--data {tmp}": "is a directory", "--lr nan": "--lr must be a finite",
-            "--min-lr inf": "finite", "--ckpt /proc/x.pt": "cannot be written",
+            f"{one} --ckpt {tmp}/ok.pt": "already holds a checkpoint: continue it with --resume",
+            "--resume": "needs --ckpt", f"{R}/ok.pt --overwrite": "exclusive", f"--data {tmp}": "is a directory",
+            "--lr nan": "--lr must be a finite", "--min-lr inf": "finite", "--ckpt /proc/x.pt": "cannot be written",
             "--device cpu --model 2.7B --vocab 16777216 --batch 1 --seq 64": "of this machine's memory",
             f"{one} --stop-after 1 {R}/ok.pt --steps 2": "(a step of the run, not a count)",
             **{f"--{f} {v}": f"--{f} must be positive" for f in ("batch", "stop-after", "recompute") for v in (0, -1)},
-            **{f"--{f} -1": f"--{f} cannot be negative" for f in ("warmup", "grad-clip", "weight-decay", "sample", "fp8")},
+            **{f"--{f} -1": f"--{f} cannot be negative"
+               for f in ("warmup", "grad-clip", "weight-decay", "sample", "fp8")},
             **({} if HAS_CUDA else {"--fp16": "needs a CUDA GPU", "--device cuda": "no CUDA GPU",
                                     "--fp8 0 --bf16": "FP8 tensor"})}.items())
         assert open(os.path.join(HERE, "input.txt"), "rb").read() == text  # --ckpt input.txt left it alone
@@ -393,19 +393,18 @@ def test_train_bad_input_and_checkpoints():
             open(path, "wb").write(b"partial")
             raise OSError(28, "No space left on device")
         with unittest.mock.patch.object(torch, "save", full_disk):
-            code, _, err = call_main("train.py", *one.split(), "--ckpt", f"{tmp}/ok.pt", "--stop-after", 1, "--overwrite")
+            code, _, err = call_main("train.py", *ok, "--stop-after", 1, "--overwrite")
         assert code == 2 and "could not write the checkpoint" in err and "No space left" in err, err
         assert not os.path.exists(f"{tmp}/ok.pt.tmp") and torch.load(f"{tmp}/ok.pt", weights_only=True)["step"] == 1
         before = open(f"{tmp}/ok.pt", "rb").read()  # a run without --resume leaves it alone, byte for byte
-        code = call_main("train.py", *one.split(), "--ckpt", f"{tmp}/ok.pt")[0]
+        code = call_main("train.py", *ok)[0]
         assert code == 2 and open(f"{tmp}/ok.pt", "rb").read() == before
-        losses, out = train_main(*one.split(), "--ckpt", f"{tmp}/ok.pt", "--resume", "--bf16")  # precision changed: said
+        losses, out = train_main(*ok, "--resume", "--bf16")  # a change of precision is said
         assert "was trained in fp32; this run continues in bf16" in out and len(losses) == 1, out
 
 @gpu
 def test_train_gpu_recompute_fp8_fused_ce_compile():
-    """gpt2: --recompute 1 lowers the peak; --fp8 0 --compile learns; fused CE = unfused (fp32, 20 steps, 1e-3).
-    tiny: compiled with CUDA graphs = eager, step by step; fp16 learns."""
+    """Recompute lowers the peak, FP8 compiled learns, fused CE = plain, compiled = eager, fp16 learns."""
     # the recompute pair runs first: no compiled graph holds memory yet
     peaks = [float(train_main("--bf16", "--vocab", 50304, "--steps", 2, "--batch", 16, "--seq", 512, "--eval-steps", 1,
                               *extra)[1].split("peak mem")[1].split()[0]) for extra in ([], ["--recompute", 1])]
@@ -416,7 +415,8 @@ def test_train_gpu_recompute_fp8_fused_ce_compile():
     losses, out = train_main(*gpt2, "--bf16", "--fp8", 0, "--compile")
     assert "48 of 48 block Linears" in out and len(losses) == 20 and sum(losses[-5:]) / 5 < losses[0] - 1, out[-3000:]
     torch.testing.assert_close(train_main(*gpt2)[0], train_main(*gpt2, "--no-fused-ce")[0], rtol=1e-3, atol=0)
-    tiny = ["--model", "tiny", "--steps", 8, "--batch", 4, "--seq", 128, "--warmup", 1, "--lr", 3e-3, "--device", "cuda"]
+    tiny = ["--model", "tiny", "--steps", 8, "--batch", 4, "--seq", 128, "--warmup", 1, "--lr", 3e-3,
+            "--device", "cuda"]
     compiled, eager = (train_main(*tiny, "--bf16", *extra)[1] for extra in (["--compile"], []))
     torch.testing.assert_close(step_values(compiled), step_values(eager), atol=0.05, rtol=0)
     torch.testing.assert_close(step_values(compiled, "norm"), step_values(eager, "norm"), rtol=0.05, atol=0)
@@ -618,11 +618,11 @@ class GPT(gpt.GPT):  # nanoGPT's interface over our model with the plain loss
 """
 
 def test_bench_e2e_nanogpt_cpu():
-    """--nanogpt PATH times a nanoGPT-interface model.py (a stand-in) and ours in the same rounds, ratios paired per
-    round; a folder without model.py is refused."""
+    """--nanogpt times a nanoGPT-interface model.py and ours in paired rounds; a folder without model.py is refused."""
     with tempfile.TemporaryDirectory() as tmp:
         open(os.path.join(tmp, "model.py"), "w").write(NANOGPT_STAND_IN)
-        out, err = main_ok("bench_e2e.py", "--nanogpt", tmp, "--device", "cpu", "--batch", 1, "--seq", 16, "--rounds", 2)
+        out, err = main_ok("bench_e2e.py", "--nanogpt", tmp, "--device", "cpu", "--batch", 1, "--seq", 16,
+                           "--rounds", 2)
         assert "using fused AdamW: False" in err and "using fused" not in out, out + err
         rows = {line[:32].strip(): line for line in out.splitlines() if line.startswith(("nanoGPT model", "ours, "))}
         assert list(rows) == ["nanoGPT model.py", "ours, plain loss (--no-fused-ce)", "ours, the headline"], out
@@ -656,8 +656,7 @@ def test_bench_e2e_gpu_ladder_peaks_oom():
 # --- 6. memory.py: the model against live tensors (one process, DDP and FSDP ranks); parallel; bad input
 
 def test_memory_account_exact_on_cpu():
-    """memory.account = live tensors counted op by op: state bytes, bytes saved for backward, the forward and backward
-    peaks and each block's, over loss layouts, dtypes, recompute, block groups and rank 0 of 2 (DDP, FSDP2)."""
+    """memory.account = live tensors counted op by op: state, saved, phase and per-block peaks, in 11 layouts."""
     # a block's stretch is cut at LayerNorm backwards (under FSDP it starts with the block above's last op, which holds
     # its unreduced gradients). Left to the GPU test: the CUDA allocator, NCCL, fp32 LayerNorm under autocast, the
     # Triton loss kernel
@@ -721,8 +720,7 @@ def test_memory_account_exact_on_cpu():
     assert {"forward: loss chunk", "forward: loss end", "forward end", "backward start", "backward end"} <= seen
 
 def test_memory_parallel_rows_and_max_batch():
-    """Per rank, DP replicates 16 B/param and ZeRO-1/2/FSDP divide 8, 12, 16 of them by the ranks (GPT rows: FSDP's
-    padded shards); the largest batch that fits a budget inverts the model."""
+    """Per-rank bytes of DP, ZeRO-1/2 and FSDP; the GPT rows; the largest batch that fits a budget."""
     n = 126 * 2 * 16384 * 53248
     for stage, sharded in enumerate((0, 8, 12, 16)):
         assert sum(memory.per_rank_bytes(n, 8, stage).values()) == n * (16 - sharded) + n * sharded / 8
@@ -747,7 +745,8 @@ def test_memory_bad_input():
             ("account --fsdp --world 1", "--world"), ("account --compile --device cpu", "--compile"),
             ("checkpoint --recompute 1", "recompute"), ("parallel --fsdp", "apply to account"),
             ("account --sweep --fsdp", "--sweep"), ("parallel --device-gb 0", "device-gb"),
-            ("parallel --act-gb -1", "act"), ("checkpoint --rounds 0", "positive"), ("parallel --params -5", "positive"),
+            ("parallel --act-gb -1", "act"), ("checkpoint --rounds 0", "positive"),
+            ("parallel --params -5", "positive"),
             ("snapshot --out a", ".pickle"), ("snapshot --device cpu", "needs a CUDA GPU"),
             ("account --attn cudnn --device cpu", "needs a CUDA GPU"),
             ("account --batch 100000 --device cpu", "of this machine's memory"),  # refused, not OOM-killed
@@ -756,8 +755,7 @@ def test_memory_bad_input():
 
 @gpu
 def test_memory_on_the_gpu():
-    """The predicted peak is within 10% of max_memory_allocated (gpt2, fused and plain loss, fp32 and bf16); a
-    snapshot is written; a batch that cannot fit exits 2 naming one that would."""
+    """Predicted peak within 10% of max_memory_allocated; a snapshot is written; a batch too big names one that fits."""
     for fused in (True, False):
         for dtype in (None, torch.bfloat16):
             cfg = gpt.make_config("gpt2", fused_ce=fused)
@@ -781,8 +779,7 @@ def kill_rank_one(rank, *_):
         os.kill(os.getpid(), signal.SIGKILL)
 
 def test_ddp_selftest_matches_one_process():
-    """On 2 and 4 gloo ranks every wrapper ends with one process's weights (fp32 on 2 ranks: bitwise, torch.equal);
-    the selftest catches a wrapper that trains without averaging."""
+    """On 2 and 4 gloo ranks every wrapper ends with one process's weights; a wrapper that never averages is caught."""
     ddp.TOY_VARIANTS["no-sync"] = (NoSyncDDP, "sgd", 2e-6)
     try:
         runs = {world: call_main("ddp.py", "selftest", "--world", world, "--backend", "gloo") for world in (2, 4)}
@@ -795,8 +792,7 @@ def test_ddp_selftest_matches_one_process():
     assert rows["fsdp"] == ["0.0e+00", "bitwise", "ok"] and rows["bucket"][1:] == ["bitwise", "ok"], runs[2][1]
 
 def test_ddp_benchmark_and_allreduce_cpu_smoke():
-    """On 2 gloo ranks: a benchmark row per variant with step, paired ratio and phase split, and the all-reduce table
-    (2 ranks: busbw = algbw x 2(n-1)/n = algbw)."""
+    """On 2 gloo ranks: a benchmark row per variant, and the all-reduce table (2 ranks: busbw = algbw)."""
     with tempfile.TemporaryDirectory() as tmp:
         plot = ["--plot", os.path.join(tmp, "ddp.png")] if importlib.util.find_spec("matplotlib") else []
         out, err = main_ok("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--rounds", 1, "--steps", 1,
@@ -819,7 +815,8 @@ def test_ddp_rank_killed_is_one_line():
             code = ddp.launch(kill_rank_one, 2, "gloo", types.SimpleNamespace(timeout=30))
         except SystemExit as e:
             code = e.code
-    assert code == 2 and err.getvalue().strip() == "error: rank 1 was killed by SIGKILL (out of memory?)", err.getvalue()
+    said = err.getvalue().strip()
+    assert code == 2 and said == "error: rank 1 was killed by SIGKILL (out of memory?)", said
 
 def test_ddp_bad_inputs():
     with tempfile.TemporaryDirectory() as tmp:
@@ -827,7 +824,8 @@ def test_ddp_bad_inputs():
             ("benchmark --world 0", "--world must be at least 1"), ("selftest --world 3", "1, 2, 4 or 8 ranks"),
             ("benchmark --world 4096",
              f"more than the {torch.cuda.device_count()} GPUs" if HAS_CUDA else "GiB of host memory"),
-            (f"benchmark --plot {tmp}/missing/ddp.png", "does not exist"), (f"benchmark --plot {tmp}", "is a directory"),
+            (f"benchmark --plot {tmp}/missing/ddp.png", "does not exist"),
+            (f"benchmark --plot {tmp}", "is a directory"),
             ("selftest --steps 0", "at least 1"), ("allreduce --sizes 3B", "not a whole number"),
             ("allreduce --sizes 1X", "not a whole"), ("allreduce --sizes 4096G", "4096 GiB"),
             ("allreduce --warmup -1", "at least 0"), ("allreduce --world 2,x", "--world"),
@@ -843,10 +841,10 @@ def test_ddp_bad_inputs():
 
 @gpu
 def test_ddp_gpu_selftest_and_benchmark():
-    """Over NCCL every wrapper matches one process, and the benchmark's GPU paths (CUDA events, memory groups, torch's
-    bf16 hook, FSDP2) give numbers in every row of a small model, none OOM."""
+    """Over NCCL every wrapper matches one process, and every benchmark row of a small model has numbers, none OOM."""
     world = min(2, torch.cuda.device_count())
-    assert "10 of 10 variants match" in run("ddp.py", "selftest", "--world", world, "--timeout", 120, timeout=300).stdout
+    out = run("ddp.py", "selftest", "--world", world, "--timeout", 120, timeout=300).stdout
+    assert "10 of 10 variants match" in out
     out = run("ddp.py", "benchmark", "--world", world, "--model", "tiny", "--batch", 2, "--seq", 64, "--rounds", 2,
               "--steps", 1, "--warmup", 1, "--timeout", 120, timeout=600).stdout
     table = out.split("-----")[-1].split("\nstep: median")[0]
@@ -858,14 +856,12 @@ def test_ddp_gpu_selftest_and_benchmark():
 # --- 8. flash_triton.py: both autograd Functions vs float64, the saved logsumexp, determinism, bad input
 
 def flash_check(device, cases, shapes):
-    """Both Functions' apply(q, k, v, is_causal, scale, precision) against float64 written out here: O, the one fp32
-    logsumexp they save, the gradients; the Triton backward twice, bitwise. A case (tma_dims, dtype, tol) loads
-    tiles through TMA descriptors at the head dims tma_dims."""
+    """Both Functions against float64: O, the one saved fp32 logsumexp, gradients; the Triton backward bitwise twice."""
     import flash_triton as ft
 
     default = ft.TMA_HEAD_DIMS
     for tma_dims, dtype, tol in cases:
-        ft.TMA_HEAD_DIMS = tma_dims
+        ft.TMA_HEAD_DIMS = tma_dims  # tiles load through TMA descriptors at these head dims
         # exact fp32 kernels compile slowly (unrolled FMA dots): the first two shapes suffice there
         for shape_q, shape_k, causal in shapes[:2] if dtype == torch.float32 else shapes:
             gen = torch.Generator(device=device).manual_seed(1)
@@ -901,8 +897,9 @@ def flash_interpreted():
                  ((1, 1, 100, 64), (1, 1, 100, 64), True), ((2, 1, 2, 33, 16), (2, 1, 2, 33, 16), False)])
     out, err = main_ok("flash_triton.py")  # without a GPU: the kernels against the PyTorch reference
     assert out.strip().endswith(": ok"), out + err
-    check_bad_inputs("flash_triton.py", [(a, a.split()[0]) for a in (
-        "--shapes 1x16x1024", "--shapes 1x16x1024x48", "--shapes 0x1x64x64", "--repeats 0", "--plot /nonexistent/a.png")])
+    check_bad_inputs("flash_triton.py", [(a, a.split()[0]) for a in ("--shapes 1x16x1024", "--shapes 1x16x1024x48",
+                                                                       "--shapes 0x1x64x64", "--repeats 0",
+                                                                       "--plot /nonexistent/a.png")])
     x = torch.randn(1, 2, 8, 16)
     for args, says in [((torch.randn(1, 2, 8, 48),) * 3, "head dim 48"), ((x, x.half(), x), "dtype"),
                        ((x, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), True), "causal"),
@@ -965,8 +962,7 @@ def test_file_sizes_and_line_lengths():
     assert not bad, "\n".join(bad)
 
 def run_isolated(name):
-    """A CUDA test in a process of its own: a crash, a leaked memory cap or a poisoned CUDA context stays there, and
-    several run at once (the GPU has room; most of their time is compiling)."""
+    """A CUDA test in its own process: a crash, memory cap or poisoned CUDA context stays there; several run at once."""
     start = time.time()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--isolated", name], cwd=HERE, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env())
@@ -1019,8 +1015,8 @@ def main(argv=None):
     for done in as_completed(isolated):
         name, ok, seconds, output = done.result()
         passed, failed = passed + ok, failed + (not ok)
-        print(f"{'PASS' if ok else 'FAIL'} {name} ({seconds:.1f}s, own process)" + ("" if ok else f"\n{output[-6000:]}"),
-              flush=True)
+        report = "" if ok else "\n" + output[-6000:]
+        print(f"{'PASS' if ok else 'FAIL'} {name} ({seconds:.1f}s, own process){report}", flush=True)
     print(f"({time.time() - start_all:.0f} s; {skipped} CUDA tests skipped)" if skipped else
           f"({time.time() - start_all:.0f} s)")
     print(f"{passed} passed, {failed} failed")
