@@ -1,36 +1,16 @@
-"""Data parallelism from the collective up: all-reduce bandwidth, four ways to average gradients,
-then sharding the optimizer state (ZeRO-1, ZeRO-2) and the weights themselves (FSDP).
-
-Every rank holds the whole model, runs its own slice of the batch and averages the gradients with an
-all-reduce: one tensor at a time after backward (NaiveDDP), one flat buffer (FlatDDP), one per
-gradient from its hook, overlapping backward (OverlapDDP), or ~25 MB buckets (BucketDDP). An
-all-reduce is a reduce-scatter then an all-gather: ZeRO-2 steps each rank's slice in between
-(ShardedOptimizer), so 1/world of the optimizer state for the bytes of one all-reduce. FSDP shards
-the weights too: each layer is all-gathered just before it runs, its gradients reduce-scattered.
+"""Data parallelism from the collective up: all-reduce bandwidth, four ways to average gradients (one
+all-reduce per tensor, one flat buffer, one per gradient overlapping backward, ~25 MB buckets), then
+sharding the optimizer state (ZeRO-1), the gradients (ZeRO-2) and the weights themselves (FSDP: each
+layer all-gathered just before it runs, its gradients reduce-scattered). Every class is checked against
+one process training on the whole batch, and timed against PyTorch's DDP and FSDP2.
 
     python ddp.py allreduce                      # NCCL bandwidth table, world 2/4/6/8 as GPUs allow
     python ddp.py benchmark --world 2            # GPT xl, B=4 per rank, T=512, bf16: every variant
     python ddp.py benchmark --variants local,torch,bucket,fsdp:bf16 --plot ddp.png
     python ddp.py selftest --world 2             # every class against one process on the whole batch
 
-Without a GPU everything runs on gloo at tiny sizes: a smoke run, not a measurement. The benchmark
-times with gpt.time_rounds: every rank runs the same interleaved schedule with a barrier closing each
-round, a variant's time in a round is its slowest rank's, and ratios to torch DDP are paired within
-rounds. On a GPU the variants run in groups that fit in memory together, each group with its own
-torch DDP and no-comm rows. The fwd / bwd / wait / optim split comes from a separate instrumented pass.
-
-2x NVIDIA H200, torch 2.11.0+cu130, 2026-11-23: GPT xl, B=4 per rank, T=512, 30 rounds of 2 steps,
---variants local,torch,bucket,sharded,zero2,fsdp,fsdp:bf16,fsdp2 (two memory groups):
-variant            step ms              vs torch DDP (paired)  exposed comm ms  fwd ms  bwd ms  wait ms  optim ms  peak GiB (vs torch DDP)
------------------  -------------------  ---------------------  ---------------  ------  ------  -------  --------  -----------------------
-local (no comm)      89.5 (71.8-167.9)   0.751x (0.597-1.005)                -    32.8    55.3      0.0      14.3            26.85 (0.70x)
-torch DDP           116.7 (93.5-169.3)   1.000x (1.000-1.000)             28.2    31.9    98.1      0.0      13.4            38.42 (1.00x)
-BucketDDP          129.8 (103.0-202.9)   1.111x (0.790-1.657)             36.3    33.0   136.6     10.8      15.1            32.59 (0.85x)
-ZeRO-1             165.9 (129.8-337.9)   1.426x (0.954-2.810)             76.7    33.2   109.8     22.3      39.4            26.66 (0.69x)
-ZeRO-2             167.6 (134.0-220.9)   1.420x (0.986-2.156)             77.1    32.5   106.7      4.6      26.2            23.63 (0.62x)
-FSDP               172.4 (138.9-204.9)   1.457x (0.866-1.853)             83.4    69.2    94.8      8.2       7.1            18.26 (0.48x)
-FSDP bf16 compute  187.2 (155.9-223.7)   1.572x (1.116-1.947)             99.8    63.3   113.0      7.5       7.1            14.81 (0.39x)
-torch FSDP2        266.4 (240.4-368.8)   2.245x (1.642-3.019)            182.2   117.5   168.3      0.0      14.6            14.88 (0.39x)
+Without a GPU everything runs on gloo at tiny sizes: a smoke run, not a measurement. The measured
+tables (2x H200) are in the README.
 """
 
 import argparse
@@ -51,9 +31,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
-from gpt import (GPT, Timing, autocast, clock, configure_optimizer, elapsed_ms, fail, free_memory, fully_shard_gpt, gib,
-                 is_oom, make_config, plot_to, print_table, round_up, run_main, set_tf32, summarize, synchronize,
-                 time_rounds)
+from gpt import (GPT, Timing, autocast, clock, configure_optimizer, elapsed_ms, fail, free_memory, fully_shard_gpt,
+                 gib, lazily, make_config, plot_to, print_table, round_up, run_main, set_tf32, summarize,
+                 synchronize, time_rounds)
 
 # newer torch names the flat collectives *_single. gloo does a reduce-scatter as an all-reduce that
 # keeps its slice (twice the traffic, fine for a CPU smoke run); NCCL does the real thing. Both
@@ -62,7 +42,7 @@ all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor
 reduce_scatter_into = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 AVG = dist.ReduceOp.AVG
 
-# --- 1. averaging gradients: four wrappers with one interface, ZeRO-2, and a sharded optimizer
+# --- 1. averaging gradients: four wrappers with one interface
 
 
 def on_gradient(p, method):
@@ -142,47 +122,26 @@ class OverlapDDP(DataParallel):
 class BucketDDP(DataParallel):
     """Gradients in ~bucket_mb buckets, in reverse registration order (roughly the order backward
     makes them); a bucket's asynchronous all-reduce starts when its last gradient arrives. p.grad is
-    a view into its bucket, so the average needs no copy back. comm_dtype=bfloat16 sends half.
+    a view into its bucket, so the average needs no copy back. comm_dtype=bfloat16 sends half."""
 
-    shard=True is ZeRO-2: each bucket is reduce-scattered instead, so a rank receives the averaged
-    gradient of only its 1/world slice of every bucket; after the sync the full gradients are
-    dropped (p.grad is None) and ShardedOptimizer steps the slices, then all-gathers the buckets:
-    the parameters live in one flat buffer per bucket, so that all-gather lands in place."""
-
-    def __init__(self, module, bucket_mb=25, comm_dtype=None, shard=False):
+    def __init__(self, module, bucket_mb=25, comm_dtype=None):
         super().__init__(module)
-        self.comm_dtype, self.shard, self.world = comm_dtype, shard, dist.get_world_size()
+        self.comm_dtype, self.world = comm_dtype, dist.get_world_size()
         self.buckets, self.slot = [[]], {}  # slot: parameter -> (bucket, offset)
         for p in self.trainable[::-1]:
             b = self.buckets[-1]
-            if b and (sum(q.nbytes for q in b) + p.nbytes > bucket_mb * 2**20 or (p.dtype, p.device) != (b[0].dtype, b[0].device)):
+            full = sum(q.nbytes for q in b) + p.nbytes > bucket_mb * 2**20
+            if b and (full or (p.dtype, p.device) != (b[0].dtype, b[0].device)):
                 self.buckets.append([])  # (a parameter above the cap gets a bucket of its own)
             self.slot[p] = (len(self.buckets) - 1, sum(q.numel() for q in self.buckets[-1]))
             self.buckets[-1].append(p)
             on_gradient(p, self.gradient_ready)
-        # elements per bucket, padded to a multiple of the world size when it is split between them
-        self.sizes = [round_up(sum(p.numel() for p in b), self.world if shard else 1) for b in self.buckets]
+        self.sizes = [sum(p.numel() for p in b) for b in self.buckets]  # elements per bucket
         self.grads = [None] * len(self.buckets)  # one flat gradient buffer per bucket, made when used
         self.arrived, self.next_bucket, self.works = [0] * len(self.buckets), 0, []
-        if shard:
-            self.params = [self.flatten(i) for i in range(len(self.buckets))]
-            self.shard_grads = [flat.new_zeros(flat.numel() // self.world) for flat in self.params]
-            for flat, grad, bucket in zip(self.params, self.shard_grads, self.buckets):
-                lo = dist.get_rank() * grad.numel()
-                for p in bucket:  # the part of p in this rank's slice (the model's own memory), its gradient
-                    a, b = max(self.slot[p][1], lo), min(self.slot[p][1] + p.numel(), lo + grad.numel())
-                    p.zero2 = (weakref.ref(self), *((flat[a:b], grad[a - lo:b - lo]) if a < b else (None, None)))
 
     def view(self, flat, p):
         return flat[self.slot[p][1]:self.slot[p][1] + p.numel()].view_as(p)
-
-    def flatten(self, i):
-        """Move bucket i's parameters into one flat buffer (one at a time: no second model)."""
-        flat = self.buckets[i][0].new_zeros(self.sizes[i])
-        for p in self.buckets[i]:
-            self.view(flat, p).copy_(p.detach())
-            p.data = self.view(flat, p)
-        return flat
 
     def gradient_ready(self, p):
         i = self.slot[p][0]
@@ -197,44 +156,81 @@ class BucketDDP(DataParallel):
             raise RuntimeError("backward ran twice without finish_gradient_synchronization; "
                                "BucketDDP does not support gradient accumulation")
         # buckets leave strictly in order, so every rank queues the same collectives in one order
-        while self.next_bucket < len(self.buckets) and self.arrived[self.next_bucket] == len(self.buckets[self.next_bucket]):
-            i, grads = self.next_bucket, self.grads[self.next_bucket]
+        while (i := self.next_bucket) < len(self.buckets) and self.arrived[i] == len(self.buckets[i]):
+            grads = self.grads[i]
             sent = grads if self.comm_dtype in (None, grads.dtype) else grads.to(self.comm_dtype)
-            if self.shard:
-                out = self.shard_grads[i] if sent is grads else sent.new_empty(sent.numel() // self.world)
-                self.works.append((i, out, reduce_scatter_into(out, sent, op=AVG, async_op=True)))
-            else:
-                self.works.append((i, sent, dist.all_reduce(sent, op=AVG, async_op=True)))
+            self.works.append(self.reduce(i, sent))
             self.next_bucket += 1
+
+    def reduce(self, i, sent):
+        """Start bucket i's collective: (where the average belongs, where it lands, its work)."""
+        return self.grads[i], sent, dist.all_reduce(sent, op=AVG, async_op=True)
 
     def finish_gradient_synchronization(self):
         self.check(self.buckets[self.next_bucket] if self.next_bucket < len(self.buckets) else [])
-        for i, out, work in self.works:
+        for target, out, work in self.works:
             work.wait()
-            target = self.shard_grads[i] if self.shard else self.grads[i]
             if out is not target:  # sent in comm_dtype: back into the fp32 buffer
                 target.copy_(out)
-        if self.shard:  # the full gradients have served: a rank keeps only its slices
-            self.grads = [None] * len(self.buckets)
-            for p in self.trainable:
-                p.grad = None
         self.arrived, self.next_bucket, self.works = [0] * len(self.buckets), 0, []
 
+# takeaway: bucketing plus overlap is what torch DDP does: few large collectives, most hidden behind backward.
+
+# --- 2. ZeRO: the optimizer state sharded (ZeRO-1), then the gradients too (ZeRO-2)
+
+
+class ZeRO2(BucketDDP):
+    """BucketDDP with each bucket reduce-scattered instead of all-reduced (the first half of an
+    all-reduce): a rank receives the averaged gradient of only its 1/world slice of every bucket.
+    After the sync the full gradients are dropped (p.grad is None); ShardedOptimizer steps the
+    slices and then all-gathers the buckets (the second half): the parameters live in one flat
+    buffer per bucket, so that all-gather lands in place. 1/world of the optimizer state and of
+    the reduced gradients, for the bytes of one all-reduce."""
+
+    def __init__(self, module, bucket_mb=25, comm_dtype=None):
+        super().__init__(module, bucket_mb, comm_dtype)
+        self.sizes = [round_up(n, self.world) for n in self.sizes]  # padded: a bucket splits evenly
+        self.params = [self.flatten(i) for i in range(len(self.buckets))]
+        self.shard_grads = [flat.new_zeros(flat.numel() // self.world) for flat in self.params]
+        for flat, grad, bucket in zip(self.params, self.shard_grads, self.buckets):
+            lo = dist.get_rank() * grad.numel()
+            for p in bucket:  # the part of p in this rank's slice (the model's own memory), its gradient
+                a, b = max(self.slot[p][1], lo), min(self.slot[p][1] + p.numel(), lo + grad.numel())
+                p.zero2 = (weakref.ref(self), *((flat[a:b], grad[a - lo:b - lo]) if a < b else (None, None)))
+
+    def flatten(self, i):
+        """Move bucket i's parameters into one flat buffer (one at a time: no second model)."""
+        flat = self.buckets[i][0].new_zeros(self.sizes[i])
+        for p in self.buckets[i]:
+            self.view(flat, p).copy_(p.detach())
+            p.data = self.view(flat, p)
+        return flat
+
+    def reduce(self, i, sent):
+        out = self.shard_grads[i] if sent is self.grads[i] else sent.new_empty(sent.numel() // self.world)
+        return self.shard_grads[i], out, reduce_scatter_into(out, sent, op=AVG, async_op=True)
+
+    def finish_gradient_synchronization(self):
+        super().finish_gradient_synchronization()
+        self.grads = [None] * len(self.buckets)  # the full gradients have served: a rank keeps only its slices
+        for p in self.trainable:
+            p.grad = None
+
     def all_gather_parameters(self):
-        """ZeRO-2, after the optimizer stepped this rank's slices: every rank gets every slice."""
+        """After the optimizer stepped this rank's slices: every rank gets every slice."""
         return [all_gather_into(flat, flat.chunk(self.world)[dist.get_rank()], async_op=True) for flat in self.params]
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """Optimizer state (AdamW: two fp32 tensors per parameter) for ~1/world of the parameters on
     each rank. ZeRO-1, after any wrapper: each parameter goes to the least-loaded rank, which steps
-    it and broadcasts it. ZeRO-2, for a BucketDDP(shard=True)'s parameters: each rank steps its
-    slice of every bucket (the only gradient it received), then the buckets are all-gathered."""
+    it and broadcasts it. ZeRO-2, for a ZeRO2 wrapper's parameters: each rank steps its slice of
+    every bucket (the only gradient it received), then the wrapper all-gathers the buckets."""
 
     def __init__(self, params, optimizer_cls, **kwargs):
         self.optimizer_cls, self.kwargs, self.rank = optimizer_cls, kwargs, dist.get_rank()
         self.owners, self.load = [], [0] * dist.get_world_size()  # ZeRO-1: (parameter, owner); elements per rank
-        self.pieces, self.wrappers = [], {}  # ZeRO-2: (slice, its gradient); the BucketDDPs to gather
+        self.pieces, self.wrappers = [], {}  # ZeRO-2: (slice, its gradient); the ZeRO2 wrappers to gather
         self.local, self.group_pairs = None, []  # optimizer_cls over what this rank steps; (our group, its)
         super().__init__(params, kwargs)  # calls add_param_group for each group
 
@@ -276,8 +272,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             work.wait()
         return loss
 
+# takeaway: an all-reduce is a reduce-scatter plus an all-gather; ZeRO-2 steps the optimizer in between.
 
-# --- 2. FSDP: the weights sharded too, each layer gathered just before it runs
+# --- 3. FSDP: the weights sharded too, each layer gathered just before it runs
 
 
 class FSDP(DataParallel):
@@ -302,11 +299,12 @@ class FSDP(DataParallel):
         self.slots = [[] for _ in range(len(layers) + 1)]  # per unit: (module, name, parameter) to install
         self.sharded = [[] for _ in self.slots]  # per unit: the parameters it gathers
         self.full, self.shard_of = {}, {}  # shard: (full tensor, alias to write it, rows); full: shard
-        for m, name, p in [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]:
-            self.slots[unit_of.get(m, 0)].append((m, name, p))
-            if p.requires_grad and p.dim() >= 2 and p not in self.full:
-                self.shard_(p)
-                self.sharded[unit_of.get(m, 0)].append(p)
+        for m in module.modules():
+            for name, p in [(name, p) for name, p in m._parameters.items() if p is not None]:
+                self.slots[unit_of.get(m, 0)].append((m, name, p))
+                if p.requires_grad and p.dim() >= 2 and p not in self.full:
+                    self.shard_(p)
+                    self.sharded[unit_of.get(m, 0)].append(p)
         self.replicated = [p for p in self.trainable if p.dim() < 2]
         self.gathers = [[] for _ in self.slots]  # all-gathers in flight, per unit
         self.pending, self.settled, self.reduced = [], 0, set()  # reduce-scatters: (work, shard, out)
@@ -424,8 +422,9 @@ class FSDP(DataParallel):
                 out[name] = out[name][:self.full[p][2]]
         return out
 
+# takeaway: FSDP keeps 1/world of the weights; it pays an all-gather per layer in forward and again in backward.
 
-# --- 3. correctness: a toy model on every rank against one process on the whole batch
+# --- 4. correctness: a toy model on every rank against one process on the whole batch
 
 
 class ToyModel(nn.Module):
@@ -455,9 +454,12 @@ def toy_optimizer(model, kind):
     """SGD, or AdamW with a decayed and an undecayed group, sharded ("zero-adamw") with the second
     group added after construction."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    if kind != "zero-adamw":
-        return torch.optim.SGD(params, lr=0.5) if kind == "sgd" else torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1)
+    groups = [{"params": [p for p in params if p.dim() >= 2]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.5)
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1)
     optimizer = ShardedOptimizer(groups[:1], torch.optim.AdamW, lr=0.05, weight_decay=0.1)
     optimizer.add_param_group(groups[1])
     return optimizer
@@ -485,8 +487,7 @@ def train_toy(model, optimizer, steps, rank=0, world=1, dtype=None, parts=1):
         for p in model.parameters() if parts > 1 else []:  # the mean over the slices, in fp32 as the ranks take it
             if p.grad is not None:
                 p.grad /= parts
-        if hasattr(model, "finish_gradient_synchronization"):
-            model.finish_gradient_synchronization()
+        getattr(model, "finish_gradient_synchronization", lambda: None)()
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
@@ -506,7 +507,7 @@ TOY_VARIANTS = {
     "bucket": (partial(BucketDDP, bucket_mb=TINY), "sgd", 2e-6),
     "bucket-bf16": (partial(BucketDDP, bucket_mb=TINY, comm_dtype=torch.bfloat16), "sgd", 1e-2),
     "zero1-adamw": (partial(BucketDDP, bucket_mb=TINY), "zero-adamw", 2e-6),
-    "zero2-adamw": (partial(BucketDDP, bucket_mb=TINY, shard=True), "zero-adamw", 2e-6),
+    "zero2-adamw": (partial(ZeRO2, bucket_mb=TINY), "zero-adamw", 2e-6),
     "fsdp": (FSDP, "sgd", 2e-6), "fsdp-adamw": (FSDP, "adamw", 2e-6),
     "fsdp-fp16": (partial(FSDP, compute_dtype=torch.float16), "sgd", 2e-6),
 }
@@ -535,7 +536,8 @@ def selftest_worker(rank, world, device, args):
         if rank == 0:
             reference, dtype = ToyModel().to(device), getattr(wrapped, "compute_dtype", None)
             reference.load_state_dict(initial, strict=False)  # (the tied output layer comes with embed)
-            train_toy(reference, toy_optimizer(reference, kind.removeprefix("zero-")), args.steps, dtype=dtype, parts=world)
+            reference_optimizer = toy_optimizer(reference, kind.removeprefix("zero-"))
+            train_toy(reference, reference_optimizer, args.steps, dtype=dtype, parts=world)
             ref = toy_state(reference)
             error = max((state[k] - w).abs().max().item() for state in final for k, w in ref.items())
             exact = world == 2 and dtype is None and tol < 1e-5  # fp32 on 2 ranks: bit for bit (see train_toy)
@@ -543,8 +545,9 @@ def selftest_worker(rank, world, device, args):
             rows.append([name, f"{error:.1e}", "bitwise" if exact else f"{tol:.0e}", "ok" if ok else "FAIL"])
     return rows
 
+# takeaway: with fp32 on two ranks every wrapper must reproduce one process bit for bit; a missed average shows.
 
-# --- 4. all-reduce bandwidth: small messages pay latency, large ones the link's bandwidth
+# --- 5. all-reduce bandwidth: small messages pay latency, large ones the link's bandwidth
 
 
 def parse_size(text):
@@ -557,7 +560,8 @@ def parse_size(text):
 
 
 def size_label(nbytes):
-    return next((f"{nbytes / s:g} {u}" for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if nbytes >= s), f"{nbytes} B")
+    units = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+    return next((f"{nbytes / s:g} {u}" for u, s in units if nbytes >= s), f"{nbytes} B")
 
 
 def allreduce_worker(rank, world, device, args):
@@ -589,13 +593,15 @@ def run_allreduce(args, gpu):
         fail(f"--sizes: {e}")
     big, memory = max(args.sizes), torch.cuda.get_device_properties(0).total_memory if gpu else 0
     if gpu and big > 0.9 * memory:
-        fail(f"--sizes {size_label(big)}: the buffer does not fit in one {torch.cuda.get_device_name(0)} ({gib(memory)} GiB)")
+        fail(f"--sizes {size_label(big)}: the buffer does not fit in one {torch.cuda.get_device_name(0)} "
+             f"({gib(memory)} GiB)")
     gpus = torch.cuda.device_count() if gpu else 2
     worlds = [args.world] if args.world else [w for w in (2, 4, 6, 8) if w <= gpus] or [gpus]
     for world in worlds:
         check_launch(world, args.backend, 0 if gpu else 2 * big, f"an all-reduce of {size_label(big)}")
-    print(f"all-reduce of float32 on {f'{torch.cuda.get_device_name()} GPUs, NCCL' if gpu else 'CPU processes, gloo (no GPU: a smoke run)'}, "
-          f"torch {torch.__version__}: median of {args.reps} runs after {args.warmup} warm-up, world {', '.join(map(str, worlds))}")
+    where = f"{torch.cuda.get_device_name()} GPUs, NCCL" if gpu else "CPU processes, gloo (no GPU: a smoke run)"
+    print(f"all-reduce of float32 on {where}, torch {torch.__version__}: median of {args.reps} runs after "
+          f"{args.warmup} warm-up, world {', '.join(map(str, worlds))}")
     # nccl-tests' bus bandwidth: a rank sends and receives 2(n-1)/n of the buffer, so algbw x 2(n-1)/n
     # compares across world sizes and with link speeds
     rows = [[w, size_label(n), f"{ms:.3f}", f"{n / ms / 1e6:.3g}", f"{n / ms / 1e6 * 2 * (w - 1) / w:.3g}"]
@@ -603,59 +609,71 @@ def run_allreduce(args, gpu):
     print_table(["world", "size", "time (ms)", "algbw (GB/s)", "busbw (GB/s)"], rows)
     print("algbw = bytes / time; busbw = algbw x 2(n-1)/n (nccl-tests' all-reduce definition); "
           "time = slowest rank's, median of runs; GB = 1e9 bytes")
-    print(f"summary: all-reduce of {rows[-1][1]} on {rows[-1][0]} ranks takes {rows[-1][2]} ms, {rows[-1][4]} GB/s bus bandwidth")
+    print(f"summary: all-reduce of {rows[-1][1]} on {rows[-1][0]} ranks takes {rows[-1][2]} ms, "
+          f"{rows[-1][4]} GB/s bus bandwidth")
 
+# takeaway: a collective costs a latency plus bytes over bandwidth; few large messages beat many small ones.
 
-# --- 5. benchmark: the same GPT step under every variant, interleaved in rounds
+# --- 6. benchmark: the same GPT step under every variant, interleaved in rounds
 
-LABELS = {"local": "local (no comm)", "torch": "torch DDP", "naive": "NaiveDDP", "flat": "FlatDDP", "overlap": "OverlapDDP",
-          "bucket": "BucketDDP", "sharded": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP", "fsdp2": "torch FSDP2"}
+LABELS = {"local": "local (no comm)", "torch": "torch DDP", "naive": "NaiveDDP", "flat": "FlatDDP",
+          "overlap": "OverlapDDP", "bucket": "BucketDDP", "sharded": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP",
+          "fsdp2": "torch FSDP2"}
 # what a variant keeps between steps, in fp32 weights (AdamW's moments are two): (whole, split over
 # the ranks). FlatDDP's flat copy only lives during its sync, but counts.
 RESIDENT = {"local": (3, 0), "torch": (4, 0), "naive": (3, 0), "flat": (4, 0), "overlap": (3, 0), "bucket": (4, 0),
             "sharded": (2, 2), "zero2": (1, 3), "fsdp": (0, 4), "fsdp2": (0, 4)}
 # key:bf16 is what torch DDP, BucketDDP and ZeRO send, and what FSDP gathers and computes with
-VARIANTS = [k + d for k in LABELS for d in ("", ":fp32", ":bf16")[:3 if k in ("torch", "bucket", "sharded", "zero2", "fsdp") else 2]]
+HALF = ("torch", "bucket", "sharded", "zero2", "fsdp")
+VARIANTS = [k + d for k in LABELS for d in ("", ":fp32", ":bf16")[:3 if k in HALF else 2]]
 
 
-def make_step(key, bf16, args, rank, device):
-    """One training step of GPT under one variant, in four phases: forward, backward, waiting for
-    the gradients' communication, optimizer step."""
+def make_step(key, bf16, args, rank, device, marks):
+    """One training step of GPT under one variant. Each step appends to marks a clock() before it
+    and after each phase: forward, backward, waiting for the gradients' communication, optimizer."""
     torch.manual_seed(rank)
     with torch.device(device):
         model = wrapped = GPT(make_config(args.model, vocab_size=args.vocab))
     dtype = torch.bfloat16 if bf16 else None
     if key == "torch":
-        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                                      bucket_cap_mb=args.bucket_mb)
+        ids = [device.index] if device.type == "cuda" else None
+        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_mb)
         if dtype:
             wrapped.register_comm_hook(None, bf16_compress_hook)
-    elif key in ("naive", "flat", "overlap", "fsdp"):
-        wrapped = FSDP(model, dtype) if key == "fsdp" else {"naive": NaiveDDP, "flat": FlatDDP, "overlap": OverlapDDP}[key](model)
     elif key in ("bucket", "sharded", "zero2"):
-        wrapped = BucketDDP(model, args.bucket_mb, dtype, shard=key == "zero2")
+        wrapped = (ZeRO2 if key == "zero2" else BucketDDP)(model, args.bucket_mb, dtype)
+    elif key == "fsdp":
+        wrapped = FSDP(model, dtype)
     elif key == "fsdp2":
         fully_shard_gpt(model, torch.bfloat16)
+    elif key != "local":
+        wrapped = {"naive": NaiveDDP, "flat": FlatDDP, "overlap": OverlapDDP}[key](model)
     optimizer = configure_optimizer(model, lr=3e-4)
     if key in ("sharded", "zero2"):  # the same AdamW (groups, betas), its state sharded
         groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
-        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95),
+                                     fused=device.type == "cuda")
     # random tokens, different on every rank as in real data parallelism: speed does not depend on
     # what the tokens say, and this skips the tokenizer
     tokens = torch.randint(50257, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1000 + rank))
-    x, y, loss = tokens[:, :-1].to(device), tokens[:, 1:].to(device), []
-
-    def forward():
-        with autocast(device, torch.bfloat16 if device.type == "cuda" else None):
-            loss.append(wrapped(x, y)[1])
+    x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    sync = getattr(wrapped, "finish_gradient_synchronization", lambda: None)  # torch's own sync inside backward
 
     def step():
+        t = [clock(device)]
+        with autocast(device, torch.bfloat16 if device.type == "cuda" else None):
+            loss = wrapped(x, y)[1]
+        t.append(clock(device))
+        loss.backward()
+        t.append(clock(device))
+        sync()
+        t.append(clock(device))
         optimizer.step()
         # BucketDDP's gradients are views into its buckets: zeroing them in place lets autograd add
         # straight into them. The others drop theirs: memory for the other variants of the round.
         optimizer.zero_grad(set_to_none=key not in ("bucket", "sharded"))
-
-    return [forward, lambda: loss.pop().backward(), getattr(wrapped, "finish_gradient_synchronization", lambda: None), step]
+        marks.append(t + [clock(device)])
+    return step
 
 
 def benchmark_worker(rank, world, device, args):
@@ -669,12 +687,14 @@ def benchmark_worker(rank, world, device, args):
         config = make_config(args.model, vocab_size=args.vocab)
         with torch.device("meta"):
             weights = 4 * GPT(config).num_params()
-        # on top of what all keep: one step's gradients, and its activations (~34 bytes per token, layer and width in bf16)
+        # on top of what all keep: one step's gradients, and its activations (~34 bytes per token,
+        # layer and width in bf16)
         budget = 0.9 * min(gather(torch.cuda.get_device_properties(device).total_memory)) - weights \
             - 34 * args.batch * args.seq * config.n_embd * config.n_layer
         groups = []
         for row in [r for r in rows if r not in shared]:
-            if not groups or sum(RESIDENT[k][0] + RESIDENT[k][1] / world for _, k, _ in groups[-1] + [row]) * weights > budget:
+            held = sum(RESIDENT[k][0] + RESIDENT[k][1] / world for _, k, _ in (groups or [[]])[-1] + [row])
+            if not groups or held * weights > budget:
                 groups.append(list(shared))
             groups[-1].append(row)
     for g, group in enumerate(groups):
@@ -685,52 +705,40 @@ def benchmark_worker(rank, world, device, args):
     return {"rows": results, "baselines": [b for b in baselines if b], "groups": len(groups)}
 
 
+def phase_ms(marks):
+    """Median ms of each phase over the steps, from the clocks make_step took between them."""
+    return [statistics.median(ms) for ms in zip(*[[elapsed_ms(a, b) for a, b in zip(t, t[1:])] for t in marks])]
+
+
 def time_group(group, results, args, rank, device):
-    """Build and warm up each variant of the group (its own peak memory: the peak while it warmed
-    up, less what the others already held), time them interleaved, then split their steps into
-    phases. A variant out of memory on any rank is out on all of them."""
-    cuda, live, peaks, local, base = device.type == "cuda", {}, {}, LABELS["local"], LABELS["torch"]
+    """Each variant of the group built and warmed up by gpt.time_rounds (its peak memory: the
+    timer's peak less what the others already held), those out of memory on any rank dropped on
+    all of them, the rest timed interleaved; the phase split from the clocks of the timed steps."""
+    cuda, local, base = device.type == "cuda", LABELS["local"], LABELS["torch"]
+    marks = {label: [] for label, _, _ in group}
+    steps = {label: lazily(partial(make_step, key, bf16, args, rank, device, marks[label]), device)
+             for label, key, bf16 in group}
+    warm, peaks = time_rounds(steps, device, rounds=0, warmup=args.warmup)  # out of memory: None
+    fits = [all(ok) for ok in zip(*gather([warm[label] is not None for label in steps]))]
+    steps = {label: step for (label, step), ok in zip(steps.items(), fits) if ok}
+    results.update({label: {"oom": True} for label, _, _ in group if label not in steps and label not in results})
+    free_memory()  # (a variant out of memory on another rank lets go of its model here)
 
     def sync():  # every rank finishes a round before any starts the next
         synchronize(device)
         dist.barrier()
 
-    for label, key, bf16 in group:
-        try:
-            synchronize(device)
-            before = torch.cuda.memory_allocated(device) if cuda else 0
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            live[label] = make_step(key, bf16, args, rank, device)
-            for _ in range(args.warmup):
-                for phase in live[label]:
-                    phase()
-            synchronize(device)
-            peaks[label] = torch.cuda.max_memory_allocated(device) - before if cuda else None
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            if not is_oom(e):
-                raise
-            live.pop(label, None)
-        free_memory()  # (outside the except block, whose traceback holds the tensors)
-    fits = [all(ok) for ok in zip(*gather([label in live for label, _, _ in group]))]
-    live = {label: live[label] for (label, _, _), ok in zip(group, fits) if ok}
-    results.update({label: {"oom": True} for label, _, _ in group if label not in live and label not in results})
-    steps = {label: (lambda phases=phases: [phase() for phase in phases]) for label, phases in live.items()}
+    for label in marks:
+        marks[label].clear()  # (the warm-up's)
     every = gather(time_rounds(steps, device, args.rounds, args.steps, warmup=0, sync=sync)[0])
-    times = {label: [max(r[label][i] for r in every) for i in range(args.rounds)] for label in live}  # slowest rank's
+    times = {label: [max(r[label][i] for r in every) for i in range(args.rounds)] for label in steps}  # slowest rank's
     timings = summarize(times, baseline=base if base in times else None)
-    for label, phases in live.items():
-        split = []
-        for _ in range(args.steps):  # the instrumented pass: an event between the phases
-            sync()
-            marks = [clock(device)]
-            for phase in phases:
-                phase()
-                marks.append(clock(device))
-            split.append([elapsed_ms(a, b) for a, b in zip(marks, marks[1:])])
+    split = gather({label: phase_ms(marks[label]) for label in steps})
+    own = gather({label: peaks[label] - steps[label].state["others"] for label in steps} if cuda else {})
+    for label in steps:
         results.setdefault(label, {
-            "oom": False, "timing": vars(timings[label]), "peak": max(gather(peaks[label])) if cuda else None,
-            "phases": [statistics.fmean(c) for c in zip(*gather([statistics.median(c) for c in zip(*split)]))],
+            "oom": False, "timing": vars(timings[label]), "peak": max(r[label] for r in own) if cuda else None,
+            "phases": [statistics.fmean(ms) for ms in zip(*(r[label] for r in split))],  # mean over ranks
             "exposed": statistics.median(a - b for a, b in zip(times[label], times[local])) if local in times else None})
     return timings[base].median if base in timings else None
 
@@ -747,25 +755,30 @@ def print_benchmark(out, args, world):
                  for label, r in rows.items()])
     spread = out["baselines"]
     print(f"step: median (min-max) over {args.rounds} rounds of {args.steps} steps, a round's time the slowest rank's; "
-          "ratios paired within rounds. exposed comm: median of (step - no-comm step). fwd/bwd/wait/optim: a separate "
-          "pass, mean over ranks (torch DDP and FSDP2 wait inside bwd). peak: allocated, the variant's own, largest rank"
+          "ratios paired within rounds. exposed comm: median of (step - no-comm step). fwd/bwd/wait/optim: medians "
+          "over the timed steps, mean over ranks (torch DDP and FSDP2 wait inside bwd). peak: allocated, the "
+          "variant's own, largest rank"
           + (f". {out['groups']} groups to fit in memory: torch DDP {min(spread):.1f}-{max(spread):.1f} ms across them"
              if len(spread) > 1 else ""))
     done = {label: r for label, r in rows.items() if not r["oom"]}
     if args.plot:
         fig, ax = plot_to(args.plot).subplots(figsize=(8, 1 + 0.4 * len(done)))
         for k, phase in enumerate(["forward", "backward", "comm wait", "optimizer"]):
-            ax.barh(list(done), [r["phases"][k] for r in done.values()], left=[sum(r["phases"][:k]) for r in done.values()], label=phase)
+            ax.barh(list(done), [r["phases"][k] for r in done.values()],
+                    left=[sum(r["phases"][:k]) for r in done.values()], label=phase)
         ax.invert_yaxis()
-        ax.set(xlabel="ms per step (instrumented pass)", title=f"GPT {args.model}, {world} ranks, B={args.batch} T={args.seq}")
+        ax.set(xlabel="ms per step (median phases)",
+               title=f"GPT {args.model}, {world} ranks, B={args.batch} T={args.seq}")
         ax.legend()
         fig.savefig(args.plot, bbox_inches="tight")
         print(f"plot saved to {args.plot}")
-    parts = [f"{label} {r['timing']['ratio']:.2f}x{vs(r)}" for label, r in done.items() if r["timing"]["ratio"] and label != LABELS["torch"]]
+    parts = [f"{label} {r['timing']['ratio']:.2f}x{vs(r)}" for label, r in done.items()
+             if r["timing"]["ratio"] and label != LABELS["torch"]]
     print("summary: step (memory) vs torch DDP's: " + ("; ".join(parts) if parts else "no torch DDP row to compare with"))
 
+# takeaway: interleaved rounds and a no-comm row show what communication costs a step, and which rank waited.
 
-# --- 6. launching the ranks, and the command line
+# --- 7. launching the ranks, and the command line
 
 
 def gather(obj):
@@ -784,7 +797,8 @@ def run_rank(rank, world, backend, worker, args, tmp):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     # the timeout turns a rank that never arrives (a crash, an OOM on one GPU) into an error
     dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout), device_id=device if device.type == "cuda" else None)
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)
     try:
         result = worker(rank, world, device, args)
     finally:
@@ -801,8 +815,9 @@ def launch(worker, world, backend, args):
     file store, and rank 0 hands its result back in a file beside it."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # no line per rank stopped
     with tempfile.TemporaryDirectory() as tmp:
+        method = "spawn" if backend == "nccl" or torch.cuda.is_available() else "fork"
         ranks = mp.start_processes(run_rank, args=(world, backend, worker, args, tmp), nprocs=world, join=False,
-                                   start_method="spawn" if backend == "nccl" or torch.cuda.is_available() else "fork")
+                                   start_method=method)
         try:
             while not ranks.join():
                 pass
@@ -830,7 +845,7 @@ def check_launch(world, backend, rank_bytes, what):
     # CPU rank shares the parent's torch but holds its own models
     need = world * (rank_bytes + (2**31 if backend == "nccl" else 2**28))
     meminfo = open("/proc/meminfo").read() if os.path.exists("/proc/meminfo") else ""
-    free = next((int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")), None)
+    free = next((int(ln.split()[1]) * 1024 for ln in meminfo.splitlines() if ln.startswith("MemAvailable:")), None)
     if free is not None and need > free:
         fail(f"{what} on {world} ranks needs about {gib(need)} GiB of host memory; {gib(free)} GiB are free")
 
@@ -839,23 +854,27 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="All-reduce bandwidth and data-parallel training: DDP, ZeRO, FSDP.")
     sub = parser.add_subparsers(dest="command", required=True)
     ar = sub.add_parser("allreduce", help="all-reduce time and bandwidth table")
-    ar.add_argument("--sizes", help="float32 buffer sizes, K/M/G = 2^10/2^20/2^30 bytes (default 1M,10M,100M,1G; 4K,64K,1M on CPU)")
+    ar.add_argument("--sizes", help="float32 buffer sizes, K/M/G = 2^10/2^20/2^30 bytes "
+                                    "(default 1M,10M,100M,1G; 4K,64K,1M on CPU)")
     ar.add_argument("--reps", type=int, default=20, help="timed runs per size (median reported)")
     bm = sub.add_parser("benchmark", help="a GPT training step under every variant, interleaved in rounds")
     bm.add_argument("--model", help="preset (default xl on GPU, tiny on CPU)")
     bm.add_argument("--batch", type=int, help="sequences per rank (default 4; 2 on CPU)")
     bm.add_argument("--seq", type=int, help="context length (default 512; 32 on CPU)")
     bm.add_argument("--vocab", type=int, default=50304, help="vocabulary, padded to a multiple of 128")
-    bm.add_argument("--rounds", type=int, help="interleaved rounds (default 30: with 8, paired ratios moved 12%% between runs; 2 on CPU)")
+    bm.add_argument("--rounds", type=int, help="interleaved rounds (default 30: with 8, paired ratios moved 12%% "
+                                               "between runs; 2 on CPU)")
     bm.add_argument("--variants", default=",".join(v for v in VARIANTS if ":fp32" not in v),
-                    help=f"comma-separated, from: {','.join(LABELS)}; key:bf16 sends (fsdp: computes with) bf16 where it applies")
+                    help=f"comma-separated, from: {','.join(LABELS)}; key:bf16 sends (fsdp: computes with) bf16 "
+                         "where it applies")
     bm.add_argument("--bucket-mb", type=float, default=25, help="bucket size for BucketDDP, ZeRO and torch DDP")
     bm.add_argument("--plot", help="save the step split per variant to this PNG (needs matplotlib)")
+    bm.add_argument("--steps", type=int, default=2, help="steps per variant per round")
     st = sub.add_parser("selftest", help="every wrapper against one process on the whole batch")
-    bm.add_argument("--steps", type=int, default=2, help="steps per variant per round, and in the phase pass")
     st.add_argument("--steps", type=int, default=3, help="training steps compared")
     for p in (ar, bm):
-        p.add_argument("--warmup", type=int, help="untimed runs first (default 5 per size; 3 steps per variant, 1 on CPU)")
+        p.add_argument("--warmup", type=int, help="untimed runs first (default 5 per size; 3 steps per variant, "
+                                                  "1 on CPU)")
     for p in (ar, bm, st):
         p.add_argument("--world", type=int, help="ranks (default 2; allreduce: 2,4,6,8 as GPUs allow)")
         p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
@@ -868,8 +887,9 @@ def main(argv=None):
         fail("ddp.py starts its own ranks, one per GPU: run it with python, not torchrun")
     if gpu and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo")
-    for flag, least in (("reps", 1), ("steps", 1), ("batch", 1), ("seq", 1), ("rounds", 1), ("timeout", 1), ("vocab", 1),
-                        ("warmup", 1 if args.command == "benchmark" else 0), ("bucket_mb", 0.001), ("world", 1)):
+    for flag, least in (("reps", 1), ("steps", 1), ("batch", 1), ("seq", 1), ("rounds", 1), ("timeout", 1),
+                        ("vocab", 1), ("warmup", 1 if args.command == "benchmark" else 0), ("bucket_mb", 0.001),
+                        ("world", 1)):
         if isinstance(getattr(args, flag, None), (int, float)) and getattr(args, flag) < least:
             fail(f"--{flag.replace('_', '-')} must be at least {least:g}, got {getattr(args, flag):g}")
     if args.command == "allreduce":
@@ -879,7 +899,8 @@ def main(argv=None):
         if 8 % world:  # equal slices: the mean of their mean losses is the whole batch's
             fail(f"--world {world}: the selftest's batch of 8 sequences splits evenly over 1, 2, 4 or 8 ranks")
         check_launch(world, args.backend, 0, "the selftest")
-        print(f"selftest: every wrapper on {world} ranks ({args.backend}) vs one process on the whole batch, {args.steps} steps")
+        print(f"selftest: every wrapper on {world} ranks ({args.backend}) vs one process on the whole batch, "
+              f"{args.steps} steps")
         args.toy_variants = dict(TOY_VARIANTS)  # they travel with args: a spawned rank imports ddp afresh
         rows = launch(selftest_worker, world, args.backend, args)
         print_table(["variant", "max |w - reference| on any rank", "tolerance", "result"], rows)
@@ -887,8 +908,9 @@ def main(argv=None):
         print(f"selftest: {len(rows) - len(failed)} of {len(rows)} variants match one-process training"
               + (f"; FAILED: {', '.join(failed)}" if failed else ""))
         sys.exit(1 if failed else 0)
-    for flag, gpu_value, cpu_value in (("model", "xl", "tiny"), ("batch", 4, 2), ("seq", 512, 32), ("rounds", 30, 2), ("warmup", 3, 1)):
-        setattr(args, flag, getattr(args, flag) or (gpu_value if gpu else cpu_value))
+    for flag, on_gpu, on_cpu in (("model", "xl", "tiny"), ("batch", 4, 2), ("seq", 512, 32), ("rounds", 30, 2),
+                                 ("warmup", 3, 1)):
+        setattr(args, flag, getattr(args, flag) or (on_gpu if gpu else on_cpu))
     try:
         config = make_config(args.model, vocab_size=args.vocab)
         if args.plot:
@@ -899,21 +921,24 @@ def main(argv=None):
         fail(f"--seq {args.seq} is longer than the {args.model} block size {config.block_size}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not variants or any(v not in VARIANTS for v in variants):
-        fail(f"--variants: {f'unknown {next(v for v in variants if v not in VARIANTS)!r}' if variants else 'empty'}; choose from {', '.join(LABELS)}")
+        bad = f"unknown {next(v for v in variants if v not in VARIANTS)!r}" if variants else "empty"
+        fail(f"--variants: {bad}; choose from {', '.join(LABELS)}")
     # (label, key, bf16) per row; torch's bf16 hook needs NCCL
     args.rows = [(LABELS[k] + (" bf16 compute" if k == "fsdp" else " bf16 comm") * (d == "bf16"), k, d == "bf16")
                  for k, _, d in (v.partition(":") for v in variants) if not (k == "torch" and d == "bf16" and not gpu)]
     with torch.device("meta"):
         weights = 4 * GPT(config).num_params()
     # on the CPU all the variants live in each rank's memory at once; a GPU holds them itself
-    check_launch(world, args.backend, 0 if gpu else int(weights * (1 + sum(sum(RESIDENT[k]) for _, k, _ in args.rows))),
-                      f"the benchmark of GPT {args.model}")
+    held = 0 if gpu else int(weights * (1 + sum(sum(RESIDENT[k]) for _, k, _ in args.rows)))
+    check_launch(world, args.backend, held, f"the benchmark of GPT {args.model}")
     print(f"data-parallel GPT {args.model} ({weights / 4e6:.0f}M parameters) on "
           + (f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast" if gpu else
              f"{world} CPU processes over gloo, fp32 (no GPU: a smoke run, not a measurement)")
           + f", torch {torch.__version__}: B={args.batch} per rank, T={args.seq}, AdamW; {args.rounds} rounds of "
           f"{args.steps} steps per variant after {args.warmup} warm-up")
     print_benchmark(launch(benchmark_worker, world, args.backend, args), args, world)
+
+# takeaway: the parent starts one process per rank and stops them all: a killed or failing rank is one clear line.
 
 
 if __name__ == "__main__":
