@@ -35,9 +35,8 @@ from gpt import (GPT, Timing, autocast, clock, configure_optimizer, elapsed_ms, 
                  gib, lazily, make_config, plot_to, print_table, round_up, run_main, set_tf32, summarize,
                  synchronize, time_rounds)
 
-# newer torch names the flat collectives *_single. gloo does a reduce-scatter as an all-reduce that
-# keeps its slice (twice the traffic, fine for a CPU smoke run); NCCL does the real thing. Both
-# average inside the collective (ReduceOp.AVG; gloo has it in recent torch).
+# newer torch names the flat collectives *_single. gloo does a reduce-scatter as an all-reduce that keeps
+# its slice (twice the traffic, fine for a CPU smoke run); NCCL does the real thing. Both average inside.
 all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_into = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 AVG = dist.ReduceOp.AVG
@@ -46,9 +45,8 @@ AVG = dist.ReduceOp.AVG
 
 
 def on_gradient(p, method):
-    """Call method(p) once p.grad is complete in each backward (every use of p, both of a tied weight,
-    summed in). The hook holds the wrapper only weakly: a strong reference is a cycle the garbage
-    collector cannot see through, and models would pile up on the GPU."""
+    """Call method(p) once p.grad is complete in each backward (every use of p summed in). The hook holds
+    the wrapper weakly: a strong reference is a cycle the garbage collector cannot see through."""
     ref = weakref.WeakMethod(method)
     p.register_post_accumulate_grad_hook(lambda param: ref() and ref()(param))
 
@@ -63,19 +61,19 @@ class DataParallel(nn.Module):
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor, src=0)
         self.trainable = [p for p in module.parameters() if p.requires_grad]  # frozen: never reduced
-        self.names = {p: name for name, p in module.named_parameters()}
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def check(self, missing):
         if missing:
-            raise RuntimeError(f"no gradient for {', '.join(self.names[p] for p in missing)} before "
+            names = {p: name for name, p in self.module.named_parameters()}
+            raise RuntimeError(f"no gradient for {', '.join(names[p] for p in missing)} before "
                                "finish_gradient_synchronization: every trainable parameter must be used in forward")
 
     def all_reduce_flat(self, params):
-        """FlatDDP: one all-reduce of one flat copy of all the gradients after backward: one latency,
-        full bandwidth, paid for with a copy in, a copy out and a second gradient-sized buffer."""
+        """One all-reduce of one flat copy of the gradients after backward: one latency, full bandwidth,
+        paid for with a copy in, a copy out and a second gradient-sized buffer."""
         self.check([p for p in params if p.grad is None])
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat, op=AVG)
@@ -180,12 +178,10 @@ class BucketDDP(DataParallel):
 
 
 class ZeRO2(BucketDDP):
-    """BucketDDP with each bucket reduce-scattered instead of all-reduced (the first half of an
-    all-reduce): a rank receives the averaged gradient of only its 1/world slice of every bucket.
-    After the sync the full gradients are dropped (p.grad is None); ShardedOptimizer steps the
-    slices and then all-gathers the buckets (the second half): the parameters live in one flat
-    buffer per bucket, so that all-gather lands in place. 1/world of the optimizer state and of
-    the reduced gradients, for the bytes of one all-reduce."""
+    """BucketDDP with each bucket reduce-scattered (an all-reduce's first half): a rank receives the
+    averaged gradient of only its 1/world slice of every bucket, and drops the full gradients after
+    the sync. ShardedOptimizer steps the slices, then the buckets are all-gathered (the second half)
+    in place: the parameters live in one flat buffer per bucket. Same bytes as one all-reduce."""
 
     def __init__(self, module, bucket_mb=25, comm_dtype=None):
         super().__init__(module, bucket_mb, comm_dtype)
@@ -257,10 +253,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = None if closure is None else torch.enable_grad()(closure)()
         for group, shard in self.group_pairs:  # carry learning-rate schedules over to the shard
             shard.update((k, v) for k, v in group.items() if k != "params")
         for piece, grad in self.pieces:
@@ -278,16 +271,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 class FSDP(DataParallel):
-    """Every trainable parameter with two or more dimensions (a tied one once) is split along dim 0,
-    padded to a multiple of the world size: .module's parameters are this rank's shards, and any
-    torch optimizer steps them. 1-D ones (norm gains, biases) stay whole, in fp32. The layers are the
-    entries of the model's nn.ModuleLists (GPT's blocks); the rest (embeddings, final norm, the tied
-    output layer) is one more unit, gathered for the whole step. In forward and backward a layer's
-    weights are all-gathered just before it runs, cast to compute_dtype first (bf16: half the bytes
-    travel), and freed after, the next layer's all-gather in flight while it computes. Each weight's
-    gradient is reduce-scattered in fp32 the moment backward has finished it and lands as the
-    shard's .grad; the 1-D gradients (a few MB) are all-reduced together at the end. Activation
-    checkpointing is not supported: it re-runs forward inside backward."""
+    """Each trainable parameter of 2+ dims (a tied one once) is split along dim 0, padded to a multiple
+    of the world size: .module's parameters become this rank's shards, which any torch optimizer steps;
+    1-D ones stay whole, in fp32. The units are the entries of the model's nn.ModuleLists (GPT's
+    blocks) plus the rest (embeddings, final norm, tied output layer), gathered for the whole step. A
+    unit's weights are all-gathered just before it runs, cast to compute_dtype first (bf16: half the
+    bytes travel), and freed after, the next unit's all-gather in flight meanwhile. Each gradient is
+    reduce-scattered in fp32 once backward has finished it; the 1-D ones are all-reduced at the end.
+    Not with activation checkpointing: it re-runs forward inside backward."""
 
     def __init__(self, module, compute_dtype=None):
         if getattr(getattr(module, "config", None), "recompute", 0):
@@ -299,12 +290,11 @@ class FSDP(DataParallel):
         self.slots = [[] for _ in range(len(layers) + 1)]  # per unit: (module, name, parameter) to install
         self.sharded = [[] for _ in self.slots]  # per unit: the parameters it gathers
         self.full, self.shard_of = {}, {}  # shard: (full tensor, alias to write it, rows); full: shard
-        for m in module.modules():
-            for name, p in [(name, p) for name, p in m._parameters.items() if p is not None]:
-                self.slots[unit_of.get(m, 0)].append((m, name, p))
-                if p.requires_grad and p.dim() >= 2 and p not in self.full:
-                    self.shard_(p)
-                    self.sharded[unit_of.get(m, 0)].append(p)
+        for m, name, p in [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]:
+            self.slots[unit_of.get(m, 0)].append((m, name, p))
+            if p.requires_grad and p.dim() >= 2 and p not in self.full:
+                self.shard_(p)
+                self.sharded[unit_of.get(m, 0)].append(p)
         self.replicated = [p for p in self.trainable if p.dim() < 2]
         self.gathers = [[] for _ in self.slots]  # all-gathers in flight, per unit
         self.pending, self.settled, self.reduced = [], 0, set()  # reduce-scatters: (work, shard, out)
@@ -456,10 +446,8 @@ def toy_optimizer(model, kind):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2]},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.5)
-    if kind == "adamw":
-        return torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1)
+    if kind != "zero-adamw":
+        return torch.optim.SGD(params, lr=0.5) if kind == "sgd" else torch.optim.AdamW(groups, lr=.05, weight_decay=.1)
     optimizer = ShardedOptimizer(groups[:1], torch.optim.AdamW, lr=0.05, weight_decay=0.1)
     optimizer.add_param_group(groups[1])
     return optimizer
@@ -467,11 +455,10 @@ def toy_optimizer(model, kind):
 
 def train_toy(model, optimizer, steps, rank=0, world=1, dtype=None, parts=1):
     """Rank r trains on the r-th of world slices of each batch: the mean of the slices' mean losses
-    is the whole batch's, so the averaged gradient is the same. The one-process reference trains on
-    the whole batch in `parts` = world slices, summing their gradients as the ranks' all-reduce does
-    (one 8-row backward would add its rows in another order: ~1e-8 apart). With 2 ranks that is
-    bitwise the same arithmetic, a + b being b + a; with more, the collective picks the order of the
-    sum. For FSDP's compute_dtype it also casts every parameter to dtype for the forward, as FSDP does."""
+    is the whole batch's, so the averaged gradient is the same. The one-process reference sums the
+    gradients of `parts` = world slices as the ranks' all-reduce does (one 8-row backward would add
+    its rows in another order: ~1e-8 apart): with 2 ranks bitwise the same arithmetic, a + b being
+    b + a. For FSDP's compute_dtype it casts every parameter to dtype for the forward, as FSDP does."""
     device = next(model.parameters()).device
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
@@ -536,8 +523,8 @@ def selftest_worker(rank, world, device, args):
         if rank == 0:
             reference, dtype = ToyModel().to(device), getattr(wrapped, "compute_dtype", None)
             reference.load_state_dict(initial, strict=False)  # (the tied output layer comes with embed)
-            reference_optimizer = toy_optimizer(reference, kind.removeprefix("zero-"))
-            train_toy(reference, reference_optimizer, args.steps, dtype=dtype, parts=world)
+            optimizer = toy_optimizer(reference, kind.removeprefix("zero-"))
+            train_toy(reference, optimizer, args.steps, dtype=dtype, parts=world)
             ref = toy_state(reference)
             error = max((state[k] - w).abs().max().item() for state in final for k, w in ref.items())
             exact = world == 2 and dtype is None and tol < 1e-5  # fp32 on 2 ranks: bit for bit (see train_toy)
@@ -545,7 +532,22 @@ def selftest_worker(rank, world, device, args):
             rows.append([name, f"{error:.1e}", "bitwise" if exact else f"{tol:.0e}", "ok" if ok else "FAIL"])
     return rows
 
-# takeaway: with fp32 on two ranks every wrapper must reproduce one process bit for bit; a missed average shows.
+
+def run_selftest(args, world):
+    if 8 % world:  # equal slices: the mean of their mean losses is the whole batch's
+        fail(f"--world {world}: the selftest's batch of 8 sequences splits evenly over 1, 2, 4 or 8 ranks")
+    check_launch(world, args.backend, 0, "the selftest")
+    print(f"selftest: every wrapper on {world} ranks ({args.backend}) vs one process on the whole batch, "
+          f"{args.steps} steps")
+    args.toy_variants = dict(TOY_VARIANTS)  # they travel with args: a spawned rank imports ddp afresh
+    rows = launch(selftest_worker, world, args.backend, args)
+    print_table(["variant", "max |w - reference| on any rank", "tolerance", "result"], rows)
+    failed = [r[0] for r in rows if r[-1] != "ok"]
+    print(f"selftest: {len(rows) - len(failed)} of {len(rows)} variants match one-process training"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+# takeaway: fp32 on two ranks must reproduce one process bit for bit; a missed or doubled average shows.
 
 # --- 5. all-reduce bandwidth: small messages pay latency, large ones the link's bandwidth
 
@@ -624,8 +626,8 @@ LABELS = {"local": "local (no comm)", "torch": "torch DDP", "naive": "NaiveDDP",
 RESIDENT = {"local": (3, 0), "torch": (4, 0), "naive": (3, 0), "flat": (4, 0), "overlap": (3, 0), "bucket": (4, 0),
             "sharded": (2, 2), "zero2": (1, 3), "fsdp": (0, 4), "fsdp2": (0, 4)}
 # key:bf16 is what torch DDP, BucketDDP and ZeRO send, and what FSDP gathers and computes with
-HALF = ("torch", "bucket", "sharded", "zero2", "fsdp")
-VARIANTS = [k + d for k in LABELS for d in ("", ":fp32", ":bf16")[:3 if k in HALF else 2]]
+VARIANTS = [k + d for k in LABELS
+            for d in ("", ":fp32", ":bf16")[:3 if k in ("torch", "bucket", "sharded", "zero2", "fsdp") else 2]]
 
 
 def make_step(key, bf16, args, rank, device, marks):
@@ -657,7 +659,7 @@ def make_step(key, bf16, args, rank, device, marks):
     # what the tokens say, and this skips the tokenizer
     tokens = torch.randint(50257, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1000 + rank))
     x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-    sync = getattr(wrapped, "finish_gradient_synchronization", lambda: None)  # torch's own sync inside backward
+    sync = getattr(wrapped, "finish_gradient_synchronization", lambda: None)  # torch's syncs inside backward
 
     def step():
         t = [clock(device)]
@@ -676,38 +678,22 @@ def make_step(key, bf16, args, rank, device, marks):
     return step
 
 
-def benchmark_worker(rank, world, device, args):
-    """Rows in groups whose models fit on one GPU together, each group with the torch DDP and no-comm
-    rows to pair with; {label: result}, and torch DDP's median in each group."""
-    set_tf32(True)
-    rows, results, baselines = args.rows, {}, []
+def memory_groups(rows, config, args, world, weights):
+    """The rows in groups whose models fit on one GPU together (on the CPU one group), each group
+    with the torch DDP and no-comm rows to pair with."""
     shared = [r for r in rows if r[1] in ("torch", "local") and not r[2]]
-    groups = [shared + [r for r in rows if r not in shared]]
-    if device.type == "cuda" and len(groups[0]) > len(shared):
-        config = make_config(args.model, vocab_size=args.vocab)
-        with torch.device("meta"):
-            weights = 4 * GPT(config).num_params()
-        # on top of what all keep: one step's gradients, and its activations (~34 bytes per token,
-        # layer and width in bf16)
-        budget = 0.9 * min(gather(torch.cuda.get_device_properties(device).total_memory)) - weights \
-            - 34 * args.batch * args.seq * config.n_embd * config.n_layer
-        groups = []
-        for row in [r for r in rows if r not in shared]:
-            held = sum(RESIDENT[k][0] + RESIDENT[k][1] / world for _, k, _ in (groups or [[]])[-1] + [row])
-            if not groups or held * weights > budget:
-                groups.append(list(shared))
-            groups[-1].append(row)
-    for g, group in enumerate(groups):
-        if rank == 0:
-            print(f"  group {g + 1} of {len(groups)}: {', '.join(label for label, _, _ in group)}", flush=True)
-        baselines.append(time_group(group, results, args, rank, device))
-        free_memory()  # the group's models are gone with time_group's frame
-    return {"rows": results, "baselines": [b for b in baselines if b], "groups": len(groups)}
-
-
-def phase_ms(marks):
-    """Median ms of each phase over the steps, from the clocks make_step took between them."""
-    return [statistics.median(ms) for ms in zip(*[[elapsed_ms(a, b) for a, b in zip(t, t[1:])] for t in marks])]
+    groups, rest = [], [r for r in rows if r not in shared]
+    if args.backend != "nccl" or not rest:
+        return [shared + rest]
+    # on top of what all keep: one step's gradients and activations (~34 bytes a token, layer and width in bf16)
+    budget = 0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in range(world)) - weights \
+        - 34 * args.batch * args.seq * config.n_embd * config.n_layer
+    for row in rest:
+        held = sum(RESIDENT[k][0] + RESIDENT[k][1] / world for _, k, _ in groups[-1] + [row]) if groups else 0
+        if not groups or held * weights > budget:
+            groups.append(list(shared))
+        groups[-1].append(row)
+    return groups
 
 
 def time_group(group, results, args, rank, device):
@@ -731,16 +717,31 @@ def time_group(group, results, args, rank, device):
     for label in marks:
         marks[label].clear()  # (the warm-up's)
     every = gather(time_rounds(steps, device, args.rounds, args.steps, warmup=0, sync=sync)[0])
-    times = {label: [max(r[label][i] for r in every) for i in range(args.rounds)] for label in steps}  # slowest rank's
+    times = {label: [max(r[label][i] for r in every) for i in range(args.rounds)] for label in steps}  # slowest rank
     timings = summarize(times, baseline=base if base in times else None)
-    split = gather({label: phase_ms(marks[label]) for label in steps})
+    # each phase's median over the timed steps on each rank, and each variant's own peak
+    split = gather({label: [statistics.median(ms) for ms in zip(*[[elapsed_ms(a, b) for a, b in zip(t, t[1:])]
+                                                                  for t in marks[label]])] for label in steps})
     own = gather({label: peaks[label] - steps[label].state["others"] for label in steps} if cuda else {})
     for label in steps:
+        exposed = [a - b for a, b in zip(times[label], times[local])] if local in times else None
         results.setdefault(label, {
             "oom": False, "timing": vars(timings[label]), "peak": max(r[label] for r in own) if cuda else None,
             "phases": [statistics.fmean(ms) for ms in zip(*(r[label] for r in split))],  # mean over ranks
-            "exposed": statistics.median(a - b for a, b in zip(times[label], times[local])) if local in times else None})
+            "exposed": statistics.median(exposed) if exposed else None})
     return timings[base].median if base in timings else None
+
+
+def benchmark_worker(rank, world, device, args):
+    """{label: result} of every group's rows, and torch DDP's median in each group."""
+    set_tf32(True)
+    results, baselines = {}, []
+    for g, group in enumerate(args.groups):
+        if rank == 0:
+            print(f"  group {g + 1} of {len(args.groups)}: {', '.join(label for label, _, _ in group)}", flush=True)
+        baselines.append(time_group(group, results, args, rank, device))
+        free_memory()  # the group's models are gone with time_group's frame
+    return {"rows": results, "baselines": [b for b in baselines if b]}
 
 
 def print_benchmark(out, args, world):
@@ -753,13 +754,13 @@ def print_benchmark(out, args, world):
                   "-" if r["exposed"] is None or label == LABELS["local"] else f"{r['exposed']:.1f}",
                   *(f"{ms:.1f}" for ms in r["phases"]), "n/a" if r["peak"] is None else gib(r["peak"]) + vs(r)]
                  for label, r in rows.items()])
-    spread = out["baselines"]
+    spread = out["baselines"]  # torch DDP's median in each group
+    groups = (f". {len(args.groups)} groups to fit in memory: torch DDP {min(spread):.1f}-{max(spread):.1f} ms "
+              "across them" if len(spread) > 1 else "")
     print(f"step: median (min-max) over {args.rounds} rounds of {args.steps} steps, a round's time the slowest rank's; "
           "ratios paired within rounds. exposed comm: median of (step - no-comm step). fwd/bwd/wait/optim: medians "
           "over the timed steps, mean over ranks (torch DDP and FSDP2 wait inside bwd). peak: allocated, the "
-          "variant's own, largest rank"
-          + (f". {out['groups']} groups to fit in memory: torch DDP {min(spread):.1f}-{max(spread):.1f} ms across them"
-             if len(spread) > 1 else ""))
+          "variant's own, largest rank" + groups)
     done = {label: r for label, r in rows.items() if not r["oom"]}
     if args.plot:
         fig, ax = plot_to(args.plot).subplots(figsize=(8, 1 + 0.4 * len(done)))
@@ -774,9 +775,42 @@ def print_benchmark(out, args, world):
         print(f"plot saved to {args.plot}")
     parts = [f"{label} {r['timing']['ratio']:.2f}x{vs(r)}" for label, r in done.items()
              if r["timing"]["ratio"] and label != LABELS["torch"]]
-    print("summary: step (memory) vs torch DDP's: " + ("; ".join(parts) if parts else "no torch DDP row to compare with"))
+    print("summary: step (memory) vs torch DDP's: " + ("; ".join(parts) or "no torch DDP row to compare with"))
 
-# takeaway: interleaved rounds and a no-comm row show what communication costs a step, and which rank waited.
+
+def run_benchmark(args, gpu, world):
+    for flag, on_gpu, on_cpu in (("model", "xl", "tiny"), ("batch", 4, 2), ("seq", 512, 32), ("rounds", 30, 2),
+                                 ("warmup", 3, 1)):
+        setattr(args, flag, getattr(args, flag) or (on_gpu if gpu else on_cpu))
+    try:
+        config = make_config(args.model, vocab_size=args.vocab)
+        if args.plot:
+            plot_to(args.plot)
+    except ValueError as e:
+        fail(str(e))
+    if args.seq > config.block_size:
+        fail(f"--seq {args.seq} is longer than the {args.model} block size {config.block_size}")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not variants or any(v not in VARIANTS for v in variants):
+        bad = f"unknown {next(v for v in variants if v not in VARIANTS)!r}" if variants else "empty"
+        fail(f"--variants: {bad}; choose from {', '.join(LABELS)}")
+    # (label, key, bf16) per row; torch's bf16 hook needs NCCL
+    rows = [(LABELS[k] + (" bf16 compute" if k == "fsdp" else " bf16 comm") * (d == "bf16"), k, d == "bf16")
+            for k, _, d in (v.partition(":") for v in variants) if not (k == "torch" and d == "bf16" and not gpu)]
+    with torch.device("meta"):
+        weights = 4 * GPT(config).num_params()
+    # on the CPU all the variants live in each rank's memory at once; a GPU holds them itself
+    held = 0 if gpu else int(weights * (1 + sum(sum(RESIDENT[k]) for _, k, _ in rows)))
+    check_launch(world, args.backend, held, f"the benchmark of GPT {args.model}")
+    args.groups = memory_groups(rows, config, args, world, weights)
+    print(f"data-parallel GPT {args.model} ({weights / 4e6:.0f}M parameters) on "
+          + (f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast" if gpu else
+             f"{world} CPU processes over gloo, fp32 (no GPU: a smoke run, not a measurement)")
+          + f", torch {torch.__version__}: B={args.batch} per rank, T={args.seq}, AdamW; {args.rounds} rounds of "
+          f"{args.steps} steps per variant after {args.warmup} warm-up")
+    print_benchmark(launch(benchmark_worker, world, args.backend, args), args, world)
+
+# takeaway: interleaved rounds beside a no-comm row show what communication costs a step, phase by phase.
 
 # --- 7. launching the ranks, and the command line
 
@@ -797,8 +831,7 @@ def run_rank(rank, world, backend, worker, args, tmp):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     # the timeout turns a rank that never arrives (a crash, an OOM on one GPU) into an error
     dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout),
-                            device_id=device if device.type == "cuda" else None)
+                            timeout=timedelta(seconds=args.timeout), device_id=device if backend == "nccl" else None)
     try:
         result = worker(rank, world, device, args)
     finally:
@@ -816,8 +849,7 @@ def launch(worker, world, backend, args):
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # no line per rank stopped
     with tempfile.TemporaryDirectory() as tmp:
         method = "spawn" if backend == "nccl" or torch.cuda.is_available() else "fork"
-        ranks = mp.start_processes(run_rank, args=(world, backend, worker, args, tmp), nprocs=world, join=False,
-                                   start_method=method)
+        ranks = mp.start_processes(run_rank, (world, backend, worker, args, tmp), world, False, start_method=method)
         try:
             while not ranks.join():
                 pass
@@ -865,16 +897,14 @@ def main(argv=None):
     bm.add_argument("--rounds", type=int, help="interleaved rounds (default 30: with 8, paired ratios moved 12%% "
                                                "between runs; 2 on CPU)")
     bm.add_argument("--variants", default=",".join(v for v in VARIANTS if ":fp32" not in v),
-                    help=f"comma-separated, from: {','.join(LABELS)}; key:bf16 sends (fsdp: computes with) bf16 "
-                         "where it applies")
+                    help=f"comma-separated, from: {','.join(LABELS)}; key:bf16 sends (fsdp: computes with) bf16")
     bm.add_argument("--bucket-mb", type=float, default=25, help="bucket size for BucketDDP, ZeRO and torch DDP")
     bm.add_argument("--plot", help="save the step split per variant to this PNG (needs matplotlib)")
     bm.add_argument("--steps", type=int, default=2, help="steps per variant per round")
     st = sub.add_parser("selftest", help="every wrapper against one process on the whole batch")
     st.add_argument("--steps", type=int, default=3, help="training steps compared")
     for p in (ar, bm):
-        p.add_argument("--warmup", type=int, help="untimed runs first (default 5 per size; 3 steps per variant, "
-                                                  "1 on CPU)")
+        p.add_argument("--warmup", type=int, help="untimed runs first (default 5 per size; 3 steps a variant, CPU 1)")
     for p in (ar, bm, st):
         p.add_argument("--world", type=int, help="ranks (default 2; allreduce: 2,4,6,8 as GPUs allow)")
         p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
@@ -888,57 +918,16 @@ def main(argv=None):
     if gpu and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo")
     for flag, least in (("reps", 1), ("steps", 1), ("batch", 1), ("seq", 1), ("rounds", 1), ("timeout", 1),
-                        ("vocab", 1), ("warmup", 1 if args.command == "benchmark" else 0), ("bucket_mb", 0.001),
-                        ("world", 1)):
+                        ("vocab", 1), ("warmup", int(args.command == "benchmark")), ("bucket_mb", 0.001), ("world", 1)):
         if isinstance(getattr(args, flag, None), (int, float)) and getattr(args, flag) < least:
             fail(f"--{flag.replace('_', '-')} must be at least {least:g}, got {getattr(args, flag):g}")
     if args.command == "allreduce":
         return run_allreduce(args, gpu)
-    world = args.world or 2
     if args.command == "selftest":
-        if 8 % world:  # equal slices: the mean of their mean losses is the whole batch's
-            fail(f"--world {world}: the selftest's batch of 8 sequences splits evenly over 1, 2, 4 or 8 ranks")
-        check_launch(world, args.backend, 0, "the selftest")
-        print(f"selftest: every wrapper on {world} ranks ({args.backend}) vs one process on the whole batch, "
-              f"{args.steps} steps")
-        args.toy_variants = dict(TOY_VARIANTS)  # they travel with args: a spawned rank imports ddp afresh
-        rows = launch(selftest_worker, world, args.backend, args)
-        print_table(["variant", "max |w - reference| on any rank", "tolerance", "result"], rows)
-        failed = [r[0] for r in rows if r[-1] != "ok"]
-        print(f"selftest: {len(rows) - len(failed)} of {len(rows)} variants match one-process training"
-              + (f"; FAILED: {', '.join(failed)}" if failed else ""))
-        sys.exit(1 if failed else 0)
-    for flag, on_gpu, on_cpu in (("model", "xl", "tiny"), ("batch", 4, 2), ("seq", 512, 32), ("rounds", 30, 2),
-                                 ("warmup", 3, 1)):
-        setattr(args, flag, getattr(args, flag) or (on_gpu if gpu else on_cpu))
-    try:
-        config = make_config(args.model, vocab_size=args.vocab)
-        if args.plot:
-            plot_to(args.plot)
-    except ValueError as e:
-        fail(str(e))
-    if args.seq > config.block_size:
-        fail(f"--seq {args.seq} is longer than the {args.model} block size {config.block_size}")
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if not variants or any(v not in VARIANTS for v in variants):
-        bad = f"unknown {next(v for v in variants if v not in VARIANTS)!r}" if variants else "empty"
-        fail(f"--variants: {bad}; choose from {', '.join(LABELS)}")
-    # (label, key, bf16) per row; torch's bf16 hook needs NCCL
-    args.rows = [(LABELS[k] + (" bf16 compute" if k == "fsdp" else " bf16 comm") * (d == "bf16"), k, d == "bf16")
-                 for k, _, d in (v.partition(":") for v in variants) if not (k == "torch" and d == "bf16" and not gpu)]
-    with torch.device("meta"):
-        weights = 4 * GPT(config).num_params()
-    # on the CPU all the variants live in each rank's memory at once; a GPU holds them itself
-    held = 0 if gpu else int(weights * (1 + sum(sum(RESIDENT[k]) for _, k, _ in args.rows)))
-    check_launch(world, args.backend, held, f"the benchmark of GPT {args.model}")
-    print(f"data-parallel GPT {args.model} ({weights / 4e6:.0f}M parameters) on "
-          + (f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast" if gpu else
-             f"{world} CPU processes over gloo, fp32 (no GPU: a smoke run, not a measurement)")
-          + f", torch {torch.__version__}: B={args.batch} per rank, T={args.seq}, AdamW; {args.rounds} rounds of "
-          f"{args.steps} steps per variant after {args.warmup} warm-up")
-    print_benchmark(launch(benchmark_worker, world, args.backend, args), args, world)
+        return run_selftest(args, args.world or 2)
+    run_benchmark(args, gpu, args.world or 2)
 
-# takeaway: the parent starts one process per rank and stops them all: a killed or failing rank is one clear line.
+# takeaway: the parent starts a process per rank and stops them all; a killed or failing rank is one clear line.
 
 
 if __name__ == "__main__":
