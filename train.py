@@ -1,35 +1,17 @@
 """Train GPT-2 on Tiny Shakespeare, as fast as one GPU (or several) allows.
 
-Each flag is one of the speed-ups the other scripts measure: --tf32, --bf16 / --fp16 (autocast;
-fp16 needs a GradScaler), --attn, --vocab 50304 (a tensor-core-friendly vocabulary), --compile
-(torch.compile; on one GPU also CUDA graphs), --fp8 (FP8 matmuls on H100/H200, in the block
-layers wide enough to gain), and the output layer fused with the loss so the [tokens, vocab]
-logits never exist (on by default; --no-fused-ce turns it off). The loop never makes the GPU wait:
-a step's loss is read back while the GPU runs the next one (StepLog). Several GPUs: torchrun, with
-DDP (every GPU holds the whole model) or --fsdp (PyTorch's FSDP2: weights, gradients and optimizer
-state sharded across the GPUs, each block's weights gathered just before use); --recompute K
-stores only every K-th block's input and recomputes its activations in backward, so larger models fit.
+Each flag is a speed-up the other scripts measure: --tf32, --bf16 / --fp16, --attn, --vocab 50304, --compile
+(on one GPU with CUDA graphs), --fp8 (H100/H200, in the block layers wide enough to gain), and the output
+layer fused with the loss (--no-fused-ce turns it off). The loop never makes the GPU wait: a step's loss is
+read back while the GPU runs the next. Several GPUs: torchrun, DDP or --fsdp (FSDP2: weights, gradients and
+optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C saves
+--ckpt and prints how to resume. Without CUDA the same command trains `tiny` on a short context.
 
     python train.py --vocab 50304 --bf16 --compile                 # the headline run
     python train.py --vocab 50304 --bf16 --compile --fp8 0         # FP8 in every block (--fp8: >= 2048 wide)
     torchrun --nproc_per_node=2 train.py --model xl --vocab 50304 --bf16 --compile       # DDP
     torchrun --nproc_per_node=2 train.py --model 2.7B --vocab 50304 --fsdp --bf16 --compile --recompute 2
     python train.py --steps 40 --ckpt run.pt --stop-after 20; python train.py --steps 40 --ckpt run.pt --resume
-
-The summary line gives the median step time, tokens/s, MFU (model FLOPs only: recomputation is not
-counted, as PaLM defines it), the peak memory tensors took on rank 0's GPU in training steps
-(evaluation excluded; not the allocator's reserve), with --recompute the FLOPs the recomputed
-forwards add (what recomputing saves is the drop in peak memory), and the last val loss. Ctrl-C
-(or SIGTERM) finishes the step, writes the --ckpt checkpoint and prints how to resume; exit status
-130 (143). Without CUDA the same command trains the `tiny` preset on a short context.
-
-Excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-23; `--vocab 50304 --bf16 --compile`, defaults
-otherwise; the first step, with the compile, took 30.7 s):
-
-    step   198 | loss 5.1156 | lr 6.02e-05 | norm 0.875 | dt    35.9 ms |    457,012 tok/s | MFU 39.5% | mem 7.73 GiB
-    step   199 | loss 4.8341 | lr 6.00e-05 | norm 1.043 | dt    35.4 ms |    463,392 tok/s | MFU 40.0% | mem 7.73 GiB
-    step   199 | val loss 5.7128
-    summary: median step 35.3 ms over steps 10-199 | 464,058 tok/s | MFU 40.1% | peak mem 7.73 GiB | val loss 5.7128
 """
 
 import argparse
@@ -48,10 +30,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpt import (FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autocast, check_host_memory, check_output_path,
+from gpt import (CE_CHUNK_ROWS, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autocast, check_output_path,
                  clip_gradients, clock, compile_model, configure_optimizer, elapsed_ms, fail, flops_per_token,
                  fmt_mfu, fp8_supported, fully_shard_gpt, gib, gpt2_tokenizer, is_oom, load_tokens, make_config, mfu,
-                 print_table, resolve_device, set_tf32, step_bytes, use_fp8)
+                 print_table, resolve_device, set_tf32, use_fp8)
 
 # --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
 
@@ -530,18 +512,37 @@ def check_run(args, world, device):
         raise ValueError(f"the validation split holds {len(val):,} tokens, fewer than --seq {args.seq} x "
                          f"{world} process(es); lower --seq or use more text")
     eval_plan = (rows, min(args.eval_steps, (len(val) - 1) // (rows * args.seq * world)))
-    if on_cpu:  # the kernel's OOM killer would end the run without a word
-        check_host_memory(step_bytes(config, args.batch, args.seq, half=args.bf16), f"model {args.model} at batch "
-                          f"{args.batch} x seq {args.seq}", "lower --batch or --seq, or use a smaller --model")
+    if on_cpu:
+        check_host_memory(config, args)
 
     state = read_checkpoint(args.ckpt, args, world) if args.resume else None
     args.last = min(args.steps, args.stop_after or args.steps)  # the loop runs up to here
     if state is not None and state["step"] >= args.last:
-        raise ValueError(f"{args.ckpt} is at step {state['step']}: nothing left to run with --steps {args.steps}"
-                         + (f" --stop-after {args.stop_after} (a step of the run, not a count)" if args.stop_after else ""))
+        stop = f" --stop-after {args.stop_after} (a step of the run, not a count)" if args.stop_after else ""
+        raise ValueError(f"{args.ckpt} is at step {state['step']}: nothing left to run with --steps {args.steps}{stop}")
     if state is not None and state.get("precision", precision_of(args)) != precision_of(args):
         args.note = f"note: {args.ckpt} was trained in {state['precision']}; this run continues in {precision_of(args)}"
     return config, (train_tokens, val, eval_plan), state
+
+
+def check_host_memory(config, args):
+    """On a CPU an allocation too large is no error but the kernel's OOM killer (exit 137, no word): refuse
+    first. The step's peak, about: weights, gradients and AdamW's moments (16 bytes a parameter), activations
+    ~(34 d + 5 H T) bytes a token per layer in 16-bit (Korthikanti et al., 2022), twice in fp32, and a chunk
+    of fp32 logits (all of them unfused). memory.py has the exact model."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux: no way to ask, so no check
+        return
+    with torch.device("meta"):
+        params = GPT(config).num_params()
+    B, T = args.batch, args.seq
+    acts = config.n_layer * B * T * (34 * config.n_embd + 5 * config.n_head * T) * (1 if args.bf16 else 2)
+    logits = (min(B * T, CE_CHUNK_ROWS) if config.fused_ce else 2 * B * T) * config.vocab_size * 4
+    need = 16 * params + acts + logits
+    if need > free:
+        fail(f"model {args.model} at batch {B} x seq {T} needs about {gib(need)} GiB of this machine's memory and "
+             f"{gib(free)} GiB are free; lower --batch or --seq, or use a smaller --model")
 
 
 def init_distributed(args):
