@@ -36,8 +36,6 @@ from gpt import (CE_CHUNK_ROWS, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autoc
                  print_table, resolve_device, set_tf32, use_fp8)
 
 # --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
-
-
 def wrap(model, args, world, device):
     """The module the loop calls: compiled (CUDA graphs only on one GPU without accumulation: DDP
     and FSDP launch their collectives from outside the graphs, see compile_model), then DDP. Under
@@ -51,8 +49,6 @@ def wrap(model, args, world, device):
 
 
 # --- 2. one optimizer step
-
-
 def train_step(model, optimizer, scaler, batches, lr, dtype, args, world, vote):
     """One optimizer step over the micro-batches (x, y) with autocast to `dtype`. It only queues
     GPU work and returns the mean loss, the grad norm and (several processes) the stop votes
@@ -84,8 +80,6 @@ def train_step(model, optimizer, scaler, batches, lr, dtype, args, world, vote):
 
 
 # --- 3. the loop: a line per step without waiting, and a clean stop on Ctrl-C / SIGTERM
-
-
 class StepLog:
     """A line per step that never makes the GPU wait for the host.
 
@@ -149,7 +143,6 @@ class StepLog:
                 f"{self.first + len(self.times) - 1} | {self.tokens / median:,.0f} tok/s | "
                 f"MFU {fmt_mfu(mfu(self.flops / median, self.device))} | peak mem {self.mem()}{extra}")
 
-
 class StopSignal:
     """Ctrl-C (SIGINT) and SIGTERM set a flag instead of raising in the middle of a step, so the
     loop can finish the step, save and say how to resume. Under torchrun every rank must stop
@@ -167,7 +160,6 @@ class StopSignal:
     def restore(self):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
-
 
 def train(args, config, data, state, rank, world, device):
     log = print if rank == 0 else (lambda *a, **k: None)
@@ -241,7 +233,6 @@ def train(args, config, data, state, rank, world, device):
     if args.sample and (args.fsdp or rank == 0):  # under FSDP every rank must take part in each forward
         print_sample(raw_model, args.sample, device, dtype, args.seed, log)
 
-
 def recompute_cost(config, T):
     """' | recompute ...': the blocks recomputed and the forward FLOPs they add to a step, as a
     share of the step's model FLOPs (a block's forward: 2 per weight, 4*d*T of attention, per token)."""
@@ -251,7 +242,6 @@ def recompute_cost(config, T):
     n = len(range(0, L, K))
     extra = n * (2 * (4 * d * d + 2 * d * config.d_ff) + 4 * d * T) / flops_per_token(config, T)
     return f" | recompute {n}/{L} blocks: +{100 * extra:.0f}% FLOPs (not in MFU)"
-
 
 def print_fp8_table(plan, args, config):
     """Which Linears run their matmuls in FP8: the block's four where both widths reach --fp8
@@ -266,8 +256,6 @@ def print_fp8_table(plan, args, config):
 
 
 # --- 4. data: Tiny Shakespeare as GPT-2 tokens, read sequentially so a run can resume exactly
-
-
 def get_batch(tokens, pos, B, T, device):
     """Inputs and next-token targets from tokens[pos : pos + B*T + 1]. Pinned host memory lets the
     copy to the GPU run asynchronously (non_blocking), overlapping the previous step's work."""
@@ -277,12 +265,10 @@ def get_batch(tokens, pos, B, T, device):
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x, y
 
-
 def next_position(pos, stride, n_tokens):
     """Advance the read position by one step of all ranks; wrap before running off the end."""
     pos += stride
     return 0 if pos + stride + 1 > n_tokens else pos
-
 
 def lr_at(step, args):
     """Linear warm-up, then cosine decay to min_lr."""
@@ -300,18 +286,15 @@ def lr_at(step, args):
 # fine at these sizes; sharded writes win when that no longer fits.
 KIND = "nanoperf train.py checkpoint, format 2"
 
-
 def precision_of(args):
     """The flags that set the arithmetic: a resumed run may change them, and is told so."""
     return " + ".join(["bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"] + ["tf32"] * bool(args.tf32)
                       + ([f"fp8 (min width {args.fp8})"] if args.fp8 is not None else []))
 
-
 def run_fields(args, world):
     """What must match for a resumed run to continue the same run (the data order and schedule)."""
     return {"model": args.model, "vocab": args.vocab, "seq": args.seq, "grad_accum": args.grad_accum,
             "steps": args.steps, "sequences": args.batch * world}
-
 
 def save_checkpoint(path, model, optimizer, scaler, step, pos, args, rank, world):
     if not (args.fsdp or rank == 0):  # gathering FSDP's shards takes every rank; DDP's ranks hold copies
@@ -333,7 +316,6 @@ def save_checkpoint(path, model, optimizer, scaler, step, pos, args, rank, world
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
 
-
 def read_checkpoint(path, args, world):
     """The checkpoint at `path`, or a ValueError saying in one sentence why it is not one for this run."""
     if os.path.getsize(path) == 0:
@@ -353,13 +335,11 @@ def read_checkpoint(path, args, world):
             raise ValueError(f"{path} was made with {flag} {state['run'].get(key)}, not {now}")
     return state
 
-
 def is_checkpoint(path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("kind") == KIND
     except Exception:
         return False
-
 
 def apply_checkpoint(state, path, model, optimizer, scaler):
     """Load the full state into the (possibly sharded) model and optimizer: each rank keeps its shard."""
@@ -377,8 +357,6 @@ def apply_checkpoint(state, path, model, optimizer, scaler):
 
 
 # --- 6. evaluation and sampling
-
-
 @torch.no_grad()
 def val_loss(model, val, plan, args, rank, world, device, dtype):
     """Mean loss over the first batches of the validation split (the same every time). Each rank
@@ -396,7 +374,6 @@ def val_loss(model, val, plan, args, rank, world, device, dtype):
         dist.all_reduce(total)
     return total.item() / (n_batches * world)
 
-
 def print_sample(model, n_tokens, device, dtype, seed, log):
     enc = gpt2_tokenizer()
     prompt = torch.tensor([enc.encode_ordinary("\n")], device=device)
@@ -407,8 +384,6 @@ def print_sample(model, n_tokens, device, dtype, seed, log):
 
 
 # --- 7. command line and the checks made before any work
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Train GPT-2 on Tiny Shakespeare.")
     p.add_argument("--model", help="preset: tiny, gpt2, small, medium, large, xl, 2.7B (default gpt2; tiny on CPU)")
@@ -447,7 +422,6 @@ def parse_args(argv):
     args.argv = sys.argv[1:] if argv is None else list(argv)  # for the resume command printed on Ctrl-C
     return args
 
-
 def check_flags(args):
     """Value ranges, before anything starts (ValueError)."""
     positive = ("batch", "seq", "steps", "grad_accum", "eval_every", "eval_steps", "stop_after", "recompute", "lr")
@@ -474,7 +448,6 @@ def check_flags(args):
     if args.ckpt and os.path.isfile(args.ckpt) and not (args.resume or args.overwrite):  # nor over a run of ours
         raise ValueError(f"--ckpt {args.ckpt} already holds a checkpoint: continue it with --resume, or start over "
                          "with --overwrite or another --ckpt")
-
 
 def check_run(args, world, device):
     """Device-dependent defaults and checks, the data and the checkpoint to resume: (config,
@@ -524,7 +497,6 @@ def check_run(args, world, device):
         args.note = f"note: {args.ckpt} was trained in {state['precision']}; this run continues in {precision_of(args)}"
     return config, (train_tokens, val, eval_plan), state
 
-
 def check_host_memory(config, args):
     """On a CPU an allocation too large is no error but the kernel's OOM killer (exit 137, no word): refuse
     first. The step's peak, about: weights, gradients and AdamW's moments (16 bytes a parameter), activations
@@ -544,7 +516,6 @@ def check_host_memory(config, args):
         fail(f"model {args.model} at batch {B} x seq {T} needs about {gib(need)} GiB of this machine's memory and "
              f"{gib(free)} GiB are free; lower --batch or --seq, or use a smaller --model")
 
-
 def init_distributed(args):
     """(rank, world, device); torchrun sets RANK, WORLD_SIZE and LOCAL_RANK."""
     if "RANK" not in os.environ:
@@ -562,7 +533,6 @@ def init_distributed(args):
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return rank, world, device
-
 
 def main(argv=None):
     args = parse_args(argv)
@@ -599,7 +569,6 @@ def main(argv=None):
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()
