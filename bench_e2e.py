@@ -26,8 +26,8 @@ import torch
 
 from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPU_ONLY_ATTENTION, PRESETS, amp_dtype, autocast, check_output_path,
                  clock, compile_model, configure_optimizer, elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported,
-                 free_memory, gib, gpu_peak_flops, is_oom, lazily, make_config, mfu, plot_to, print_table, resolve_device,
-                 run_main, set_tf32, summarize, synchronize, time_rounds, train_step, use_fp8)
+                 free_memory, gib, gpu_peak_flops, is_oom, lazily, make_config, mfu, plot_to, print_table,
+                 resolve_device, run_main, set_tf32, summarize, synchronize, time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
 LADDER = (("fp32, naive attention, vocab 50257", {}),
@@ -42,15 +42,11 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
 FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False,
               "graphs": False, "fused_ce": False, "fp8": False}
 HEADLINE, FP8_RUNG = "+ fused linear-CE", LADDER[-1][0]
-# All rungs are alive at once, so that they can run in the same rounds. At B=16 T=1024 on an
-# 80 GB GPU: each gpt2 holds 0.5 GB of fp32 weights and 1 GB of AdamW moments (1.5 GB x 9 rungs),
-# activations live only during a step (the fp32 rung's are the largest, ~30 GB), and the CUDA
-# graph pool keeps one step's activations of the graphed rungs (~10 GB): ~55 GB in all.
-
+# All rungs live at once, to run in the same rounds: at B=16 T=1024 each gpt2 keeps 1.5 GB of weights and
+# AdamW moments, the fp32 rung's step ~30 GB of activations, the CUDA graph pool ~10 GB: ~55 GB in all.
 
 def skip_reason(change, s, device):
-    """Why a rung cannot run here (None: it can). TF32 has no CPU equivalent (set_tf32 is a no-op
-    there, so the rungs after it still run); Inductor's CPU compile takes minutes per rung."""
+    # TF32 has no CPU equivalent (the rungs after it still run); Inductor's CPU compile takes minutes a rung
     cuda = device.type == "cuda"
     if not cuda and "tf32" in change:
         return "skipped: GPU only"
@@ -58,11 +54,8 @@ def skip_reason(change, s, device):
         return "skipped on the CPU (compiling)"
     if s["fp8"] and not fp8_supported(device):
         return "skipped: needs FP8 tensor cores (H100/H200)"
-    return None
-
 
 def build(config, s, device):
-    """A fresh model (same seed every time), what runs it (compiled or not) and its AdamW."""
     config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"])
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU: a 2.7B model takes minutes on the CPU
@@ -74,12 +67,9 @@ def build(config, s, device):
     return {"model": model, "runner": runner, "optimizer": configure_optimizer(model, lr=1e-4),
             "dtype": s["dtype"], "tf32": s["tf32"], "scaler": scaler, "config": config}
 
-
 def run_step(mode, bench, x, y):
-    """One step of `mode`. The forward runs with autograd on, as in training: it records the
-    graph and keeps the activations backward needs, which is most of a step's memory. With the
-    fused linear-CE the output layer's gradients are computed in the forward, so its backward
-    matmuls count there."""
+    # The forward runs with autograd on, as in training: it keeps the activations backward needs, most of
+    # a step's memory. With the fused linear-CE the output layer's backward matmuls run (and count) here.
     set_tf32(bench["tf32"])  # a process-wide switch: each variant sets its own before queueing
     if mode == "train":  # gpt.train_step: forward, backward, AdamW, gradients dropped
         return train_step(bench["runner"], bench["optimizer"], x, y, bench["dtype"], bench["scaler"])
@@ -89,50 +79,39 @@ def run_step(mode, bench, x, y):
         (bench["scaler"].scale(loss) if bench["scaler"] else loss).backward()
         bench["model"].zero_grad(set_to_none=True)
 
-
 def batch_of(B, T, device):
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 50257, (2, B, T), generator=g).to(device)
+    return torch.randint(0, 50257, (2, B, T), generator=torch.Generator().manual_seed(1)).to(device)
 
-
-def held_bytes(bench):
-    """Memory a built model keeps between steps: weights and AdamW's moments."""
+def held_bytes(bench):  # what a built model keeps between steps: weights and AdamW's moments
     if bench is None:
         return 0
     state = [t for s in bench["optimizer"].state.values() for t in s.values() if torch.is_tensor(t)]
     return sum(t.numel() * t.element_size() for t in [*bench["model"].parameters(), *state])
 
-
 def timed(variants, device, args):
-    """gpt.time_rounds over the variants, progress per round; peaks made per variant."""
     times, peaks = time_rounds(variants, device, args.rounds, args.steps, args.warmup,
                                progress=lambda r: print(f"  round {r + 1}/{args.rounds}", file=sys.stderr, flush=True))
     own = {n: peaks[n] - variants[n].state["others"] if peaks.get(n) is not None else None for n in peaks}
     return times, own
 
-
 def speedup(times, name, base, work=1.0):
-    """Paired speed-up of `name` over `base`: median (min-max) over rounds of work * base ms / name ms."""
+    """Paired: median (min-max) over rounds of work * base ms / name ms."""
     if times.get(name) is None or times.get(base) is None:
         return "n/a"
     return summarize({"b": [work * ms for ms in times[base]], "n": times[name]}, baseline="n")["b"].vs()
 
-
 def rungs():
-    """(name, change, settings) down the ladder, each rung's settings on top of the previous."""
     settings = dict(FIRST_RUNG)
     for name, change in LADDER:
         settings = {**settings, **change}
         yield name, change, settings
-
 
 def run_ladder(config, B, T, device, args, plt=None):
     torch._dynamo.reset()  # the compiled rungs compile here, from scratch
     x, y = batch_of(B, T, device)
     variants, skipped = {}, {}
     for name, change, settings in rungs():
-        reason = skip_reason(change, settings, device)
-        if reason:
+        if reason := skip_reason(change, settings, device):
             skipped[name] = reason
             continue
         note = f"  {name}: {'compiling...' if settings['compile'] else 'first step'}"
@@ -174,7 +153,6 @@ def run_ladder(config, B, T, device, args, plt=None):
             f"{speedup(times, end, first)} the speed of the first rung, "
             f"{B * T / (stats[end].median / 1e3):,.0f} tokens/s{fp8}")
 
-
 def plot_ladder(plt, path, names, stats, title):
     ms = [stats[n].median for n in names]
     err = [[m - stats[n].low for n, m in zip(names, ms)], [stats[n].high - m for n, m in zip(names, ms)]]
@@ -184,8 +162,7 @@ def plot_ladder(plt, path, names, stats, title):
         ax.text(stats[n].high, i, f"  {stats[n].median:.1f}", va="center")
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
-    ax.set_xlabel("ms per train step (median over rounds, bars: min-max)")
-    ax.set_title(title)
+    ax.set(xlabel="ms per train step (median over rounds, bars: min-max)", title=title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -193,13 +170,9 @@ def plot_ladder(plt, path, names, stats, title):
 
 
 # --- 2. against nanoGPT: its model.py and train.py's headline, in the same rounds
-# nanoGPT's train.py step at the same settings: bf16 autocast, torch.compile, fused AdamW, clip 1.0.
-# Ours: the ladder's headline rung with the same clip (train.py's default --grad-clip), and the
-# same without the fused loss. Both get the same random tokens; speed does not depend on them.
-
-
+# nanoGPT's train.py step (bf16 autocast, torch.compile, fused AdamW, clip 1.0) against the ladder's
+# headline rung with the same clip (train.py's default), with and without the fused loss; same tokens.
 def load_nanogpt(path):
-    """nanoGPT's model.py (a checkout's folder, or the file), imported under its own name."""
     import importlib.util
 
     file = os.path.join(path, "model.py") if os.path.isdir(path) else path
@@ -215,9 +188,8 @@ def load_nanogpt(path):
         fail(f"--nanogpt {file}: not nanoGPT's model.py ({type(e).__name__}: {e})")
     return module
 
-
 def build_nanogpt(module, config, device):
-    """nanoGPT's GPT at `config`'s sizes, vocab 50304, no bias or dropout, with its own fused AdamW."""
+    """nanoGPT's GPT at our sizes, vocab 50304, no bias or dropout, with its own fused AdamW."""
     torch.manual_seed(0)
     cfg = module.GPTConfig(block_size=config.block_size, vocab_size=50304, n_layer=config.n_layer,
                            n_head=config.n_head, n_embd=config.n_embd, dropout=0.0, bias=False)
@@ -228,16 +200,13 @@ def build_nanogpt(module, config, device):
     return {"model": model, "runner": torch.compile(model) if gpu else model, "optimizer": optimizer,
             "dtype": torch.bfloat16 if gpu else None}
 
-
 def nanogpt_step(bench, x, y):
-    """nanoGPT train.py's step (one micro-step): autocast forward, backward, clip to 1.0, AdamW."""
     with autocast(x.device, bench["dtype"]):
         _, loss = bench["runner"](x, y)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(bench["model"].parameters(), 1.0)
     bench["optimizer"].step()
     bench["optimizer"].zero_grad(set_to_none=True)
-
 
 def run_nanogpt(path, config, B, T, device, args):
     module, gpu = args.nanogpt_module, device.type == "cuda"
@@ -254,7 +223,8 @@ def run_nanogpt(path, config, B, T, device, args):
             return partial(nanogpt_step, bench, x, y)
         return lambda: train_step(bench["runner"], bench["optimizer"], x, y, bench["dtype"], grad_clip=1.0)
     for name, s in [("nanoGPT model.py", None), *ours.items()]:
-        variants[name] = lazily(partial(make, name, s), device, note=f"  {name}: " + ("compiling..." if gpu else "first step"))
+        note = f"  {name}: " + ("compiling..." if gpu else "first step")
+        variants[name] = lazily(partial(make, name, s), device, note=note)
     print(f"timing nanoGPT's model.py and ours together: {args.warmup} warm-up steps each, then "
           f"{args.rounds} rounds of {args.steps} steps", file=sys.stderr, flush=True)
     times, peaks = timed(variants, device, args)
@@ -273,25 +243,20 @@ def run_nanogpt(path, config, B, T, device, args):
 # --- 3. the sweep: forward / forward+backward / train step by model, vocab, batch and context
 MODES = ("forward", "forward-backward", "train")
 
-
 def mode_flops(config, T, mode):
-    """FLOPs per token of one step of `mode`: the forward does 2 of the 6 per matmul parameter,
-    plus the output layer's backward (4 per parameter) when the fused linear-CE does it there."""
+    # the forward does 2 of the 6 per matmul parameter, plus the output layer's backward (4) when fused
     train = flops_per_token(config, T)
     if mode != "forward":
         return train
     return train / 3 + (4 * config.vocab_size * config.n_embd if config.fused_ce else 0)
 
-
 def sweep_cells(name, config, args, device):
-    """{(vocab, batch, seq, mode): variant} for one model. One model is built per vocabulary and
-    shared by its cells; train cells warm up first, so that AdamW's state exists and every cell's
-    peak counts it (weights, AdamW state, the step's own tensors)."""
+    """{(vocab, batch, seq, mode): variant}, one model per vocabulary shared by its cells. Train cells warm up
+    first, so AdamW's state exists and every cell's peak counts it."""
     benches, variants = {}, {}
     for vocab, B, T, mode in product(args.vocab, args.batch, args.seq, sorted(args.modes, key="train".__ne__)):
         s = {**FIRST_RUNG, "tf32": args.tf32, "dtype": args.dtype, "attn": args.attn, "vocab": vocab,
              "compile": args.compile, "fused_ce": True}
-
         def make(vocab=vocab, B=B, T=T, mode=mode, s=s):
             bench = benches.get(vocab) or benches.setdefault(vocab, build(config, s, device))
             return partial(run_step, mode, bench, *batch_of(B, T, device))
@@ -299,10 +264,8 @@ def sweep_cells(name, config, args, device):
         variants[(vocab, B, T, mode)] = lazily(make, device, held=lambda v=vocab: held_bytes(benches.get(v)), note=note)
     return variants
 
-
 def run_sweep(args, configs, device):
-    """One gpt.time_rounds per model: all its cells run in the same rounds, so the speed-ups
-    between vocabularies and batches are paired."""
+    """One gpt.time_rounds per model: its cells' speed-ups are paired."""
     if args.compile:  # one graph per shape (no dynamic-shape kernels), enough cache for all shapes
         torch._dynamo.config.automatic_dynamic_shapes = False
         torch._dynamo.config.recompile_limit = max(8, len(args.vocab) * len(args.batch) * len(args.seq))
@@ -315,7 +278,6 @@ def run_sweep(args, configs, device):
         del variants  # and the models with them
         free_memory()
     return results
-
 
 def print_sweep(args, results, device):
     base = (args.vocab[0], args.batch[0], args.seq[0])
@@ -353,9 +315,8 @@ def print_sweep(args, results, device):
     name, (vocab, B, T, mode), tok_s = max(done, key=lambda d: (MODES.index(d[1][3]), d[2]))
     return f"best {mode} throughput: {tok_s:,.0f} tokens/s ({name} V={vocab} B={B} T={T}); {ooms} OOM"
 
-
 def step_split(times, vocab, B, T):
-    """Median over rounds of each part, from the three modes' times in the same round."""
+    """Median over rounds of forward, backward and optimizer, from the three modes' times in each round."""
     f, fb, tr = (times.get((vocab, B, T, m)) for m in MODES)
     if None in (f, fb, tr):
         return ["n/a"] * 4
@@ -364,17 +325,13 @@ def step_split(times, vocab, B, T):
     return [f"{statistics.median(p):.2f} ({100 * statistics.median(p) / total:.0f}%)" for p in parts] + [f"{total:.2f}"]
 
 
-# --- 3. the output layer's GEMMs alone: why vocab 50304 beats 50257
-# Output-layer widths: GPT-2's 50257 (odd), nearby multiples of 2..16, 50304 (= 128 * 393) and a
-# few wider multiples of 64 and 128.
+# --- 4. the output layer's GEMMs alone: why vocab 50304 beats 50257
+# GPT-2's 50257 (odd), nearby multiples of 2..16, 50304 (= 128 * 393) and wider multiples of 64 and 128
 GEMM_VOCABS = (50257, 50258, 50260, 50264, 50272, 50280, 50288, 50296, 50304, 50368, 50432, 51200)
 
-
 def gemm_variants(tokens, K, dtype, device, vocabs=GEMM_VOCABS):
-    """The three matmuls of the output layer in a training step, logits = x W^T (forward),
-    dx = dlogits W and dW = dlogits^T x (backward), one variant per vocabulary width. Tensor
-    cores read tiles of 8/16/64/128 elements; a width with no such factor (50257 is odd) needs
-    masked edge tiles and slower kernels for the whole matrix."""
+    """logits = x W^T, dx = dlogits W and dW = dlogits^T x, one variant per vocabulary width. Tensor cores
+    read tiles of 8/16/64/128 elements: an odd width needs masked edge tiles and slower kernels throughout."""
     x = torch.randn(tokens, K, device=device, dtype=dtype)
 
     def make(V):
@@ -382,7 +339,6 @@ def gemm_variants(tokens, K, dtype, device, vocabs=GEMM_VOCABS):
         g = torch.randn(tokens, V, device=device, dtype=dtype)
         return lambda: (x @ w.t(), g @ w, g.t() @ x)
     return {V: lazily(lambda V=V: make(V), device) for V in vocabs}
-
 
 def gemm_microbench(tokens, K, dtype, device, args):
     dtype = dtype or torch.float32
@@ -397,13 +353,11 @@ def gemm_microbench(tokens, K, dtype, device, args):
     free_memory()
 
 
-# --- 4. --profile: top kernels, time by category, naive attention's softmax vs matmuls
+# --- 5. --profile: top kernels, time by category, naive attention's softmax vs matmuls
 NAIVE_RANGES = ("attention scores", "softmax", "final matmul")  # record_function names in gpt.py
 
-
 def kernel_times(prof, cuda):
-    """[(name, calls, total us)] by descending time: GPU kernels on CUDA, CPU ops (self time)
-    on the CPU. User ranges (record_function, NVTX) are left out: they would count twice."""
+    """[(name, calls, us)], slowest first: GPU kernels, or CPU ops' self time. User ranges would count twice."""
     out = []
     for e in prof.key_averages():
         if getattr(e, "is_user_annotation", False) or e.key in NAIVE_RANGES or e.key.startswith("ProfilerStep"):
@@ -414,12 +368,10 @@ def kernel_times(prof, cuda):
             out.append((e.key, e.count, e.self_cpu_time_total))
     return sorted((k for k in out if k[2] > 0), key=lambda k: -k[2])
 
-
 GROUPS = ("matmul", "attention", "cross-entropy", "normalization", "element-wise", "optimizer", "copies")
 
-
 def category(name):
-    """The group of a GPU kernel or CPU op, by its name (Inductor names a fused kernel after its ops)."""
+    """A kernel's or op's group, by its name (Inductor names a fused kernel after its ops)."""
     n = name.lower()
     if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "attn")):
         return "attention"
@@ -436,13 +388,10 @@ def category(name):
         return "copies"
     return "element-wise"
 
-
 def category_times(prof, cuda):
-    """{group: us}. Everything run inside the optimizer's own profiler range
-    ("Optimizer.step#AdamW.step") counts as optimizer: on the CPU AdamW is a string of plain
-    elementwise ops that a name alone cannot tell apart. On the GPU each op's kernels are the
-    ones it launched (Inductor's included); kernel time the profiler could not link to a CPU op
-    goes to its group by the kernel's name."""
+    """{group: us}. All inside the optimizer's profiler range counts as optimizer: on the CPU AdamW is plain
+    elementwise ops a name cannot tell apart. On the GPU an op's kernels are those it launched; kernel time
+    linked to no CPU op goes to its group by name."""
     sums = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CPU or e.is_async:
@@ -465,18 +414,14 @@ def category_times(prof, cuda):
                 sums[category(name)] = sums.get(category(name), 0.0) + us - linked.get(name, 0.0)
     return sums
 
-
 def group_floors(config, B, T, fused_ce):
-    """(FLOPs, bytes) each group cannot do with less, per train step in bf16 autocast: the bound a
-    group is measured against. Matmuls and attention: their FLOPs (gpt.flops_per_token's terms, the
-    causal attention halved). The others are memory-bound: the bytes they must read and write at
-    least once, with the residual stream in fp32 and the matmuls' inputs in bf16 (N tokens, width
-    d, MLP width f, L layers, P parameters): LayerNorm forward reads 4 and writes 2 bytes an
-    element, backward reads 4 + 2 and writes 4 (2L + 1 of them); GELU reads and writes 2 forward,
-    reads 4 and writes 2 backward; the 2L residual adds read 8 and write 4; the loss reads the bf16
-    logits and writes their gradient (and without the fusion writes them once more); fused AdamW
-    reads weight, gradient and two moments and writes three of them (28 bytes a parameter); the
-    copies are the casts of the fp32 weights to bf16 (read 4, write 2)."""
+    """(FLOPs, bytes) each group cannot do with less, per bf16 train step. Matmuls and attention: their FLOPs
+    (gpt.flops_per_token's terms, causal attention halved). The rest is memory-bound: bytes read and written
+    once, residual stream fp32, matmul inputs bf16 (N tokens, width d, MLP width f, L layers, P parameters).
+    LayerNorm reads 4 and writes 2 bytes an element forward, reads 6 and writes 4 backward (2L + 1 of them);
+    GELU reads and writes 2 forward, reads 4 and writes 2 backward; the 2L residual adds read 8, write 4; the
+    loss reads the bf16 logits and writes their gradient (unfused, once more); fused AdamW reads weight,
+    gradient and moments and writes three (28 bytes a parameter); copies cast fp32 weights to bf16 (4 + 2)."""
     N, d, f, L, V = B * T, config.n_embd, config.d_ff, config.n_layer, config.vocab_size
     P = L * (4 * d * d + 2 * d * f + 9 * d + f) + V * d + config.block_size * d + 2 * d
     matmul = 6 * N * (L * (4 * d * d + 2 * d * f) + V * d)
@@ -484,18 +429,15 @@ def group_floors(config, B, T, fused_ce):
             "cross-entropy": (0, N * V * (4 if fused_ce else 8)), "normalization": (0, 16 * N * d * (2 * L + 1)),
             "element-wise": (0, 10 * N * f * L + 12 * N * d * 2 * L), "optimizer": (0, 28 * P), "copies": (0, 6 * P)}
 
-
 def copy_bandwidth(device):
-    """Bytes per second a device-to-device copy of 1 GiB moves (read + write): the memory roof."""
-    a, b = torch.empty(2**29, dtype=torch.bfloat16, device=device), torch.empty(2**29, dtype=torch.bfloat16, device=device)
+    """Bytes per second (read + write) a 1 GiB device copy moves: the memory roof."""
+    a, b = (torch.empty(2**29, dtype=torch.bfloat16, device=device) for _ in range(2))
     ms = statistics.median(time_rounds({"copy": lambda: b.copy_(a)}, device, rounds=10, steps=5)[0]["copy"])
     return 2 * a.nbytes / (ms / 1e3)
 
-
 def naive_attention_rows(prof, config, B, T, steps, cuda):
-    """Forward only (the ranges in gpt.naive_attention wrap the forward ops). The softmax does
-    few FLOPs but reads and writes the whole (T, T) matrix, so its time share far exceeds its
-    FLOP share: it is memory-bound while the matmuls run on the tensor cores."""
+    """Forward only (gpt.naive_attention's ranges). The softmax does few FLOPs but reads and writes the whole
+    (T, T) matrix: memory-bound, its time share far exceeds its FLOP share."""
     times = {}
     for e in prof.key_averages():
         if e.key in NAIVE_RANGES and e.device_type == torch.autograd.DeviceType.CPU:
@@ -511,11 +453,8 @@ def naive_attention_rows(prof, config, B, T, steps, cuda):
     return [[k, f"{times[k] / 1e3 / steps:.3f}", f"{100 * times[k] / t_all:.1f}%", f"{flops[k] / 1e9:.3g}",
              f"{100 * flops[k] / f_all:.2f}%", f"{(times[k] / t_all) / (flops[k] / f_all):.1f}"] for k in NAIVE_RANGES]
 
-
 def profile_steps(bench, B, T, device, warmup, steps):
-    """{mode: profiler} for `steps` forward steps and `steps` train steps after the warm-up."""
     from torch.profiler import ProfilerActivity, profile
-
     x, y = batch_of(B, T, device)
     for _ in range(warmup):  # compile, allocate and tune before anything is recorded
         run_step("train", bench, x, y)
@@ -532,11 +471,9 @@ def profile_steps(bench, B, T, device, warmup, steps):
         profs["wall_ms"] = elapsed_ms(start, end) / steps  # (the train steps', recorded last)
     return profs
 
-
 def print_groups(groups, wall_ms, bench, B, T, steps, device):
-    """The train step by group: ms, share of the step, and how far each is from its own limit on this
-    GPU (matmul and attention FLOPs at the bf16 tensor-core peak, the others' bytes at the copy
-    bandwidth). Idle: the step's wall time that no kernel filled (the GPU waiting for the CPU)."""
+    """The train step by group against each group's limit here (FLOPs at the bf16 peak, bytes at the copy
+    bandwidth). Idle: the step's wall time no kernel filled (the GPU waiting for the CPU)."""
     peak, cuda = gpu_peak_flops(device), device.type == "cuda"
     bandwidth = copy_bandwidth(device) if cuda else None
     floors, busy = group_floors(bench["config"], B, T, bench["config"].fused_ce), sum(groups.values()) / 1e3 / steps
@@ -545,8 +482,8 @@ def print_groups(groups, wall_ms, bench, B, T, steps, device):
         ms, (flops, nbytes) = groups.get(group, 0.0) / 1e3 / steps, floors[group]
         floor = (flops / peak if flops else nbytes / bandwidth) * 1e3 if peak and bandwidth else None
         limit = f"{flops / 1e9:,.0f} GFLOP at the bf16 peak" if flops else f"{nbytes / 1e9:,.2f} GB at copy speed"
-        rows.append([group, f"{ms:.2f}", f"{100 * ms / wall_ms:.1f}%", limit, "n/a" if floor is None else f"{floor:.2f}",
-                     "n/a" if floor is None or not ms else f"{ms / floor:.1f}x"])
+        rows.append([group, f"{ms:.2f}", f"{100 * ms / wall_ms:.1f}%", limit, "n/a" if floor is None else
+                     f"{floor:.2f}", "n/a" if floor is None or not ms else f"{ms / floor:.1f}x"])
     idle = max(0.0, wall_ms - busy) if cuda else None
     rows.append(["idle (no kernel running)", "n/a" if idle is None else f"{idle:.2f}",
                  "n/a" if idle is None else f"{100 * idle / wall_ms:.1f}%", "0", "0", "-"])
@@ -554,7 +491,6 @@ def print_groups(groups, wall_ms, bench, B, T, steps, device):
              else "limits n/a: no known GPU")
     print(f"\ntime by category: the train step ({wall_ms:.2f} ms wall per step, {where})")
     print_table(["group", "ms/step", "share of step", "its limit", "ms at the limit", "x its limit"], rows)
-
 
 def print_profile(profs, bench, B, T, steps, device, trace):
     cuda, kind = device.type == "cuda", "kernels" if device.type == "cuda" else "CPU ops"
@@ -579,7 +515,7 @@ def print_profile(profs, bench, B, T, steps, device, trace):
         print(f"\nwrote the train-step trace to {trace} (open it in ui.perfetto.dev or chrome://tracing)")
 
 
-# --- 5. command line
+# --- 6. command line
 def parse_ints(text, flag, low, high=None):
     try:
         values = [int(v) for v in text.split(",")]
@@ -589,18 +525,14 @@ def parse_ints(text, flag, low, high=None):
         fail(f"{flag} must be at least {low}{'' if high is None else f' and at most {high}'}, got {bad[0]}")
     return values
 
-
 def starts_with(magic):
-    """check_output_path's test for a file of ours: a trace starts with "{", a PNG with its signature."""
     def ours(path):
         with open(path, "rb") as f:
             return f.read(64).lstrip().startswith(magic)
     return ours
 
-
 def check_args(args, device):
-    """Fill the defaults (GPU: the headline sizes; CPU: seconds) and refuse what cannot work,
-    before any model is built. Returns [(name, config)] and matplotlib's pyplot (or None)."""
+    """Defaults (GPU: the headline sizes; CPU: seconds), and a refusal before any model is built."""
     cpu = device.type != "cuda"
     if args.model is None:
         args.model = "tiny" if cpu else "gpt2" if args.ladder or args.nanogpt else "small"
@@ -646,7 +578,6 @@ def check_args(args, device):
     args.warmup = args.warmup or (1 if cpu else 3)
     return configs, plt
 
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -677,7 +608,6 @@ def main(argv=None):
     except ValueError as e:
         fail(str(e))
     configs, plt = check_args(args, device)
-
     peak = gpu_peak_flops(device)
     if device.type != "cuda":
         print(f"device: CPU (no CUDA GPU), torch {torch.__version__}: small sizes that finish in seconds; "
@@ -715,7 +645,6 @@ def main(argv=None):
         if not is_oom(e):
             raise
         fail(f"out of GPU memory in {what}; try a smaller --batch or --seq")
-
 
 if __name__ == "__main__":
     run_main(main)  # Ctrl-C / SIGTERM: one line, exit 130 / 143

@@ -1,12 +1,10 @@
 """GPT-2 in one file: the model every nanoperf script trains, times or takes apart.
 
-The architecture is GPT-2's (pre-LayerNorm blocks, learned position embeddings, a 4x GELU MLP,
-input and output embeddings tied, residual projections initialised with std 0.02/sqrt(2*n_layer)).
-Two speed-ups live inside the model because every script that trains it wants them: the output
-layer and the cross-entropy fused over chunks of tokens (the [tokens, vocab] logits never exist),
-and FP8 matmuls for chosen Linear layers on GPUs that have them. Below the model sit the few
-things three or more scripts share: the optimizer, FLOPs and MFU, the offline tokenizer, the
-one timer (variants interleaved in rounds) and small helpers.
+GPT-2's architecture (pre-LayerNorm blocks, learned positions, a 4x GELU MLP, tied input and output
+embeddings) with the two speed-ups every trainer wants built in: the output layer fused with the
+cross-entropy over chunks of tokens, so the [tokens, vocab] logits never exist, and FP8 matmuls for
+wide Linear layers on GPUs that have them. Below the model, under "the shared tools": the optimizer,
+compilation, FSDP2, one training step, FLOPs and MFU, the offline tokenizer, the one timer, helpers.
 
     from gpt import GPT, make_config
     model = GPT(make_config("gpt2", vocab_size=50304, attn="sdpa"))
@@ -35,9 +33,8 @@ import triton.language as tl
 HERE = os.path.dirname(os.path.abspath(__file__))
 GPT2_VOCAB = 50257  # tokens the GPT-2 BPE can produce; a larger vocab_size is padding
 
+
 # --- 1. configuration and presets
-
-
 @dataclass
 class GPTConfig:
     n_layer: int = 12
@@ -50,33 +47,21 @@ class GPTConfig:
     fused_ce: bool = True  # training loss through LinearCrossEntropy (section 4)
     recompute: int = 0  # activation checkpointing of every recompute-th block (1: all, 0: none)
 
-
-# name: (n_layer, n_head, n_embd, d_ff). `small`..`2.7B` are the usual benchmark sizes.
-PRESETS = {
-    "tiny": (4, 4, 128, 512),  # trains in seconds on a CPU
-    "gpt2": (12, 12, 768, 3072),  # GPT-2 124M
-    "small": (12, 12, 768, 3072),
-    "medium": (24, 16, 1024, 4096),
-    "large": (36, 20, 1280, 5120),
-    "xl": (48, 25, 1600, 6400),
-    "2.7B": (32, 32, 2560, 10240),
-}
-TINY_BLOCK_SIZE = 256
-
+# name: (n_layer, n_head, n_embd, d_ff); tiny trains in seconds on a CPU (256-token context), gpt2 is 124M
+PRESETS = {"tiny": (4, 4, 128, 512), "gpt2": (12, 12, 768, 3072), "small": (12, 12, 768, 3072),
+           "medium": (24, 16, 1024, 4096), "large": (36, 20, 1280, 5120), "xl": (48, 25, 1600, 6400),
+           "2.7B": (32, 32, 2560, 10240)}
 
 def make_config(name, **overrides):
     """The config of a preset, with any field overridden (vocab_size=50304, attn="flash", ...)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model '{name}'; choose from {', '.join(PRESETS)}")
     n_layer, n_head, n_embd, d_ff = PRESETS[name]
-    config = GPTConfig(n_layer, n_head, n_embd, d_ff, TINY_BLOCK_SIZE if name == "tiny" else 1024)
-    config = replace(config, **overrides)
+    config = replace(GPTConfig(n_layer, n_head, n_embd, d_ff, 256 if name == "tiny" else 1024), **overrides)
     check_config(config)
     return config
 
-
-def check_config(config):
-    """Raise ValueError, in one sentence, for a config that cannot work."""
+def check_config(config):  # a config that cannot work is a ValueError in one sentence
     if config.n_embd % config.n_head:
         raise ValueError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
     if config.vocab_size < GPT2_VOCAB:
@@ -87,20 +72,11 @@ def check_config(config):
         raise ValueError(f"--recompute {config.recompute} must be between 1 and the {config.n_layer} layers")
 
 
-def round_up(n, multiple):
-    """Smallest multiple of `multiple` that is >= n: round_up(50257, 128) == 50304."""
-    return (n + multiple - 1) // multiple * multiple
-
-
 # --- 2. attention: causal self-attention of (B, H, T, D) tensors, one function per implementation
-
-
 def naive_attention(q, k, v):
-    """Causal attention written out. It materialises the (T, T) score and probability matrices
-    per head and keeps both for backward: the memory and bandwidth cost FlashAttention removes.
-    The record_function ranges name the three stages in torch.profiler."""
+    # The (T, T) scores and probabilities of every head, both kept for backward, are the memory and
+    # bandwidth FlashAttention removes. The ranges name the three stages in a profile (bench_e2e.py).
     from torch.autograd.profiler import record_function
-
     T = q.size(-2)
     with record_function("attention scores"):
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
@@ -111,22 +87,15 @@ def naive_attention(q, k, v):
     with record_function("final matmul"):
         return probs @ v
 
-
-def sdpa_attention(q, k, v):
-    """SDPA picks the fastest backend that can run the inputs (cuDNN or flash on an H100)."""
+def sdpa_attention(q, k, v):  # SDPA picks the fastest backend that runs the inputs (cuDNN on an H100)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-
-def pinned_sdpa(backend):
-    """SDPA pinned to one backend: if it cannot run the inputs, SDPA raises instead of silently
-    falling back, so a benchmark labelled "flash" really measured flash."""
+def pinned_sdpa(backend):  # raises rather than fall back: a benchmark of "flash" really measured flash
     def attend(q, k, v):
         from torch.nn.attention import SDPBackend, sdpa_kernel
-
         with sdpa_kernel(getattr(SDPBackend, backend)):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return attend
-
 
 def triton_attention(q, k, v):
     try:
@@ -137,18 +106,14 @@ def triton_attention(q, k, v):
         raise RuntimeError("--attn triton needs flash_triton.py next to gpt.py") from None
     return flash_attention(q, k, v, causal=True)
 
-
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
-                 "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
 ATTENTION = {"naive": naive_attention, "sdpa": sdpa_attention,
-             **{name: pinned_sdpa(backend) for name, backend in SDPA_BACKENDS.items()},
-             "triton": triton_attention}
+             **{name: pinned_sdpa(backend) for name, backend in SDPA_BACKENDS.items()}, "triton": triton_attention}
 GPU_ONLY_ATTENTION = ("cudnn", "efficient", "triton")
 
 
 # --- 3. the model
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -164,7 +129,6 @@ class CausalSelfAttention(nn.Module):
         y = self.attend(q, k, v)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
-
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -173,7 +137,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's GELU
-
 
 class Block(nn.Module):
     def __init__(self, config):
@@ -186,7 +149,6 @@ class Block(nn.Module):
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
-
 
 class GPT(nn.Module):
     def __init__(self, config):
@@ -217,11 +179,9 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # parameters() counts a tied one once
 
     def forward(self, idx, targets=None):
-        """(logits, loss). Training (targets given, autograd on, config.fused_ce) returns
-        (None, loss): the loss comes from LinearCrossEntropy and no logits are ever made.
-        Otherwise the logits come back, detached when there is a loss to differentiate: under
-        torch.compile an output that requires grad but gets none is handed a zero gradient, a
-        logits-sized tensor (1.6 GB at B=16, T=1024) filled and read every step."""
+        # Training with fused_ce: (None, loss), no logits are ever made. Otherwise the logits come back
+        # detached when there is a loss: under torch.compile an output that requires grad but gets none is
+        # handed a zero gradient, a logits-sized tensor (1.6 GB at B=16, T=1024) filled and read every step.
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than the block size {self.config.block_size}")
@@ -244,8 +204,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Append max_new_tokens sampled tokens to idx (B, T). Padded vocabulary entries are
-        never sampled: the tokenizer cannot decode them."""
+        """Append max_new_tokens sampled tokens to idx (B, T); never a padding token (undecodable)."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])
             logits = logits[:, -1, :].float() / temperature
@@ -259,22 +218,17 @@ class GPT(nn.Module):
 
 
 # --- 4. the output layer and the loss, fused over chunks of tokens
-# The plain loss computes logits = x W^T ([N, V]: 1.6 GB in bf16 at N=16,384, V=50,304), reads them
-# to take the log-sum-exp, keeps an fp32 copy for backward, and writes their gradient (1.6 GB).
-# Here each chunk of rows gets its logits, then one kernel reads them and writes the gradient
-# over them in place, and that goes straight into the two matmuls that need it (dx = dlogits W,
-# dW += dlogits^T x): the loss and its gradients are finished during the forward pass, and only
-# one chunk of logits ever exists. The chunk is large (8,192 rows) so the matmuls stay efficient.
+# The plain loss writes logits = x W^T ([N, V]: 1.6 GB in bf16 at N=16,384, V=50,304), reads them, keeps an
+# fp32 copy for backward and writes their gradient. Here each chunk of rows gets its logits, one kernel
+# overwrites them with their gradient, which goes straight into dx = dlogits W and dW += dlogits^T x: the
+# gradients are done in forward and one chunk of logits ever exists (8,192 rows: the matmuls stay efficient).
 CE_CHUNK_ROWS = 8192
-
 
 @triton.jit
 def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, n_valid, n_cols, BLOCK: tl.constexpr):
-    """One program per row: the row's loss (fp32 log-sum-exp, online over blocks of columns),
-    then its gradient softmax - onehot written over the logits. Columns from n_valid on are
-    vocabulary padding: no probability, zero gradient. (The 1/N of the mean is applied in
-    backward: a float argument here breaks Inductor's launch when it recompiles with dynamic
-    shapes, torch 2.11.)"""
+    # One program per row: its loss, then softmax - onehot written over the logits; columns from n_valid on
+    # are padding (zero gradient). The 1/N of the mean waits for backward: a float argument here breaks
+    # Inductor's relaunch when it recompiles with dynamic shapes (torch 2.11).
     row = logits_ptr + tl.program_id(0).to(tl.int64) * stride
     m = float("-inf")  # running max and sum of exp(z - m): one exp per element
     s = 0.0
@@ -294,10 +248,7 @@ def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, n_valid, n_co
         grad = tl.where(cols == target, grad - 1.0, grad)
         tl.store(row + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < n_cols)
 
-
-def chunk_loss_and_grad(logits, targets, n_valid):
-    """Per-row losses, and their gradient written over the logits: the Triton kernel on a GPU, the
-    same in plain PyTorch on the CPU (and as the kernel's reference)."""
+def chunk_loss_and_grad(logits, targets, n_valid):  # the kernel on a GPU; on a CPU its reference
     if logits.is_cuda:
         losses = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
         _cross_entropy_rows[(logits.shape[0],)](logits, targets, losses, logits.stride(0), n_valid,
@@ -312,10 +263,8 @@ def chunk_loss_and_grad(logits, targets, n_valid):
     logits[:, n_valid:] = 0
     return losses
 
-
 class LinearCrossEntropy(torch.autograd.Function):
     """mean_i cross_entropy(x_i W^T, y_i) with its gradients for x and W computed in forward."""
-
     @staticmethod
     def forward(ctx, x, weight, targets, chunk_rows):
         # under autocast the matmuls run in the autocast dtype, as nn.Linear's would
@@ -341,35 +290,25 @@ class LinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss / ctx.n_rows
         return dx * scale, dw * scale, None, None
 
-
-def linear_cross_entropy(x, weight, targets, chunk_rows=None):
-    """Fused lm_head + cross-entropy of (N, d) hidden states against (N,) targets."""
+def linear_cross_entropy(x, weight, targets, chunk_rows=None):  # (N, d) hidden states, (N,) targets
     return LinearCrossEntropy.apply(x, weight, targets, chunk_rows or CE_CHUNK_ROWS)
 
 
 # --- 5. FP8 matmuls (H100/H200): e4m3 activations and weights, e5m2 gradients, tensorwise scales
-# An FP8 tensor core matmul runs at twice the bf16 rate, but each operand must first be scaled
-# into FP8's narrow range (e4m3: max 448, 3 mantissa bits; e5m2: max 57344, 2 bits) by its own
-# absolute maximum, recomputed every step (dynamic scaling), and the cast is a pass over the
-# tensor. Under torch.compile those passes fuse into the kernels that produce the tensors.
+# FP8 tensor cores run at twice the bf16 rate, but each operand is first scaled into FP8's narrow range
+# (e4m3: max 448; e5m2: max 57344) by its absolute maximum, every step: a pass torch.compile fuses away.
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
-
-def to_fp8(t, dtype):
-    """(t scaled into dtype's range and cast, the inverse scale) with one scale for the tensor."""
+def to_fp8(t, dtype):  # (t scaled into dtype's range and cast, the inverse scale)
     amax = t.detach().abs().amax().float().clamp(min=1e-12)
     scale = torch.finfo(dtype).max / amax
     return (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), scale.reciprocal()
 
-
-def fp8_mm(a8, a_inv, b8, b_inv):
-    """a @ b for FP8 a (M, K) row-major and b (K, N) column-major, bf16 out."""
+def fp8_mm(a8, a_inv, b8, b_inv):  # a (M, K) row-major, b (K, N) column-major, bf16 out
     return torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
-
 
 class Fp8Matmul(torch.autograd.Function):
     """y = x W^T with all three matmuls of a Linear (forward, dX, dW) in FP8."""
-
     @staticmethod
     def forward(ctx, x, weight):
         x8, x_inv = to_fp8(x, E4M3)
@@ -385,31 +324,24 @@ class Fp8Matmul(torch.autograd.Function):
         dw = fp8_mm(dy8.t().contiguous(), dy_inv, x8.t().contiguous().t(), x_inv)
         return dx, dw.float()
 
-
 class Fp8Linear(nn.Linear):
     """nn.Linear whose matmuls run in FP8; weight and bias stay fp32 (the optimizer's copy)."""
-
     def forward(self, x):
         y = Fp8Matmul.apply(x.flatten(0, -2), self.weight).unflatten(0, x.shape[:-1])
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-
-# Which Linears run in FP8: the block's four (lm_head stays bf16, inside the fused loss), where
-# both of the matmul's widths reach FP8_MIN_WIDTH. On an H100 (compiled, B=8 T=1024) a 2.7B block
-# (d=2560) ran fwd+bwd 12% faster with them in FP8 and an xl block (d=1600) 7% slower; at gpt2's
-# d=768 every layer lost: there the matmuls are too small to repay the scaling passes.
+# The block's four Linears run in FP8 where both widths reach FP8_MIN_WIDTH (lm_head stays bf16, inside the
+# fused loss). On an H100 (compiled, B=8 T=1024) FP8 made a 2.7B block (d=2560) 12% faster and an xl block
+# (d=1600) 7% slower; at gpt2's d=768 every layer lost: small matmuls do not repay the scaling passes.
 FP8_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 FP8_MIN_WIDTH = 2048
-
 
 def fp8_supported(device):
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
-
 def use_fp8(model, min_width=FP8_MIN_WIDTH):
-    """Turn the model's block Linears (FP8_LAYERS) that are at least min_width wide on both sides
-    into Fp8Linear, in place, weights kept. Returns [(name, in, out, converted)] for each."""
+    """FP8_LAYERS at least min_width wide both ways become Fp8Linear in place: [(name, in, out, converted)]."""
     plan = []
     for name, m in model.named_modules():
         if type(m) is nn.Linear and name.endswith(FP8_LAYERS):
@@ -420,59 +352,46 @@ def use_fp8(model, min_width=FP8_MIN_WIDTH):
     return plan
 
 
-# --- 6. optimizer, compilation, FLOPs and MFU
+# ==========================================================================================================
+# The shared tools: optimizer, compilation, FSDP2, one training step, FLOPs and MFU, tokenizer and data, the
+# one timer, and small helpers (device, precision, errors, paths, tables).
+# ==========================================================================================================
 
-
+# --- 6. optimizer, compilation, sharding and one training step
 def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
-    """AdamW with weight decay on matrices and embeddings only (biases and LayerNorm gains are
-    not decayed). fused=True on CUDA does the update of all tensors in a few kernels."""
+    # weight decay on matrices and embeddings, not biases or LayerNorm gains; fused: a few kernels for all
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     fused = all(p.is_cuda for p in params)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
 
-
 def compile_model(model, cuda_graphs=False):
-    """torch.compile fuses the elementwise work between the matmuls, and two options help it more:
-    - CUDA graphs (what mode="reduce-overhead" turns on): the compiled forward and backward are
-      recorded once, then each replayed with one launch instead of hundreds of kernel launches.
-      Only on one GPU without gradient accumulation: DDP's hooks launch all-reduces from outside
-      the graphs, and a micro-step's gradients would live in graph memory that the next
-      micro-step's replay overwrites.
-    - programmatic dependent launch (Hopper and newer; ignored elsewhere): each generated Triton
-      kernel may start while the previous one finishes, instead of after."""
+    # torch.compile fuses the elementwise work between the matmuls. CUDA graphs replay forward and backward
+    # with one launch each instead of hundreds: only on one GPU without gradient accumulation (DDP launches
+    # its all-reduces outside the graphs, and a micro-step's gradients would sit in graph memory the next
+    # replay overwrites). Programmatic dependent launch (Hopper on) starts a kernel as the previous one ends.
     return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
 
-
 def fully_shard_gpt(model, param_dtype=None):
-    """PyTorch's FSDP2: fully_shard per block, then the root (embeddings, final LayerNorm, the tied
-    output layer). Each block's parameters become DTensors split across the ranks; its forward
-    all-gathers them and frees the gathered copy after (again in backward), and its gradients are
-    reduce-scattered to shards, in fp32, as backward leaves it: only a block or two are ever whole,
-    and block i+1's all-gather overlaps block i's compute. param_dtype=bf16 gathers and computes in
-    bf16 (half the bytes to move) while the shards the optimizer updates stay fp32. The mesh is
-    on the parameters' device type: without one, FSDP2 picks CUDA whenever the machine has it."""
+    # FSDP2 per block, then the root. A block's shards are all-gathered for its forward (and backward) and
+    # freed after, its gradients reduce-scattered in fp32; block i+1's gather overlaps block i's compute, so
+    # only a block or two are ever whole. param_dtype=bf16 moves half the bytes; the shards stay fp32. The
+    # mesh takes the parameters' device type: left to itself FSDP2 picks CUDA whenever there is one.
     from torch.distributed import get_world_size
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     mesh = init_device_mesh(next(model.parameters()).device.type, (get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.h:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
-
 def clip_gradients(model, optimizer, max_norm):
-    """Global gradient norm; gradients scaled down to max_norm if above it (max_norm 0: never).
-    A fused optimizer clips inside its own kernel: it divides each gradient by
-    `optimizer.grad_scale` as it reads it (the hook GradScaler uses to unscale), which saves a
-    read and a write of every gradient, 1 GB per step at 124M parameters. Under FSDP the
-    gradients are DTensor shards: get_total_norm sums the squares across the ranks itself and
-    returns a replicated DTensor, made a plain tensor here for the optimizer."""
+    """The global gradient norm, gradients scaled down to max_norm above it (0: never)."""
+    # A fused AdamW clips in its own kernel, dividing each gradient by grad_scale (GradScaler's unscale hook)
+    # as it reads it: a read and a write of every gradient saved, 1 GB a step at 124M. Under FSDP the norm
+    # comes back as a replicated DTensor.
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -482,12 +401,8 @@ def clip_gradients(model, optimizer, max_norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes the parameters, not grads
     return norm
 
-
 def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, mark=None):
-    """One plain optimizer step: forward under autocast, backward (through the GradScaler for
-    fp16), gradients clipped to grad_clip (0: not), step, gradients dropped. Returns the loss as a
-    GPU tensor; nothing here waits. mark(phase), if given, is called after "forward", "backward"
-    and "optimizer" (memory.py reads each phase's peak there)."""
+    """One optimizer step; the loss comes back as a GPU tensor, nothing waits. mark(phase) after each phase."""
     mark = mark or (lambda phase: None)
     with autocast(x.device, dtype):
         _, loss = model(x, y)
@@ -510,54 +425,42 @@ def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, m
     return loss.detach()
 
 
+# --- 7. FLOPs and MFU
 def flops_per_token(config, seq_len):
-    """Training FLOPs (forward + backward) per token: 6 per parameter that takes part in a matmul
-    (2 forward, 4 backward: the blocks' weights and the tied output layer, not the position
-    lookup) plus attention's QK^T and PV, 12 * n_layer * n_embd * seq_len, counted without the
-    causal halving as PaLM's MFU does."""
+    # 6 per matmul parameter (2 forward, 4 backward; the output layer, not the position lookup) plus
+    # attention's QK^T and PV, 12 L d T, not halved for causality, as PaLM counts for MFU
     d, L = config.n_embd, config.n_layer
     matmul_params = L * (4 * d * d + 2 * d * config.d_ff) + config.vocab_size * d
     return 6 * matmul_params + 12 * L * d * seq_len
-
 
 # Dense bf16 tensor-core peak per GPU, matched on torch.cuda.get_device_name() (first match wins;
 # "H100" alone is the SXM part, which reports itself as "NVIDIA H100 80GB HBM3").
 GPU_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
                   ("GH200", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12))
 
-
-def gpu_peak_flops(device):
-    """bf16 dense peak of the device's GPU in FLOP/s, or None if unknown (or not a GPU)."""
+def gpu_peak_flops(device):  # FLOP/s, or None for an unknown GPU or none
     if torch.device(device).type != "cuda":
         return None
     return next((peak for key, peak in GPU_PEAK_FLOPS if key in torch.cuda.get_device_name(device)), None)
 
-
 def mfu(flops_per_s, device):
-    """Model FLOPs utilisation against the bf16 peak (also for fp32 and FP8 runs, as is
-    customary), or None where the peak is unknown: better no number than a wrong one."""
+    # of the bf16 peak, for fp32 and FP8 runs too, as is customary; None, never a guess, if the peak is unknown
     peak = gpu_peak_flops(device)
     return None if peak is None else flops_per_s / peak
-
 
 def fmt_mfu(value):
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
-# --- 7. tokenizer and data
-
-BPE_FILES = {  # file: sha256, the hashes tiktoken itself expects for its "gpt2" encoding
-    "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-    "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
-}
+# --- 8. tokenizer and data
+BPE_FILES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",  # the sha256
+             "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}  # tiktoken expects
 R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
-
 def gpt2_tokenizer(bpe_dir=os.path.join(HERE, "gpt2_bpe")):
-    """tiktoken's "gpt2" encoding built from the BPE files in the repo: no network access."""
+    """tiktoken's "gpt2" encoding from the BPE files in the repo: no network access."""
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-
     paths = {name: os.path.join(bpe_dir, name) for name in BPE_FILES}
     for name, path in paths.items():
         if not os.path.exists(path):
@@ -568,7 +471,6 @@ def gpt2_tokenizer(bpe_dir=os.path.join(HERE, "gpt2_bpe")):
     ranks = data_gym_to_mergeable_bpe_ranks(paths["vocab.bpe"], paths["encoder.json"])
     return tiktoken.Encoding(name="gpt2", pat_str=R50K_PATTERN, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": GPT2_VOCAB - 1}, explicit_n_vocab=GPT2_VOCAB)
-
 
 def load_tokens(path=os.path.join(HERE, "input.txt")):
     """The text file as a 1-D int64 tensor of GPT-2 tokens (input.txt: 338,025 tokens)."""
@@ -582,35 +484,27 @@ def load_tokens(path=os.path.join(HERE, "input.txt")):
     return torch.tensor(gpt2_tokenizer().encode_ordinary(text), dtype=torch.long)
 
 
-# --- 8. the one timer: variants interleaved in rounds
-# A GPU shared with other work (or a laptop's turbo clock) changes speed over seconds: variants
-# timed one after another can differ by 15% with nothing changed. Running them in rounds,
-# A B C, B C A, C A B, ..., puts every variant through the same conditions; the median over
-# rounds resists stray slow rounds, and the ratio to a baseline is taken within each round
-# (paired), so a slow minute slows both sides of the ratio.
-
-
+# --- 9. the one timer: variants interleaved in rounds
+# A shared GPU changes speed over seconds: variants timed one after another can differ by 15% with nothing
+# changed. Rounds, A B C, B C A, ..., put every variant through the same conditions; the median resists stray
+# slow rounds, and a ratio is taken within each round (paired), so a slow minute slows both of its sides.
 def clock(device):
-    """A point on the device's timeline: on a GPU an event queued behind the work already queued
-    (it fires when the GPU gets there); on the CPU, where ops run as they are called, the clock."""
+    # on a GPU an event queued behind the work already queued, which fires when the GPU gets there
     if torch.device(device).type != "cuda":
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
 
-
-def elapsed_ms(start, end):
-    """Milliseconds between two clock() points (waits for the GPU to reach `end`)."""
+def elapsed_ms(start, end):  # waits for the GPU to reach `end`
     if isinstance(end, float):
         return (end - start) * 1e3
     end.synchronize()
     return start.elapsed_time(end)
 
-
 @dataclass
 class Timing:
-    """One variant's ms per step over the rounds, and its per-round ratio to the baseline."""
+    """One variant's ms per step over the rounds, and the per-round ratios to the baseline."""
     median: float
     low: float
     high: float
@@ -625,14 +519,10 @@ class Timing:
     def vs(self):
         return "-" if self.ratio is None else f"{self.ratio:.3f}x ({self.ratio_low:.3f}-{self.ratio_high:.3f})"
 
-
 def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progress=None):
-    """{name: [ms per step in each round]} for variants {name: fn}, fn() queueing one step.
-    Each variant is warmed up first (compilation, autotuning, allocator growth, CUDA graph
-    capture, whose pool counts as allocated only then) with its peak memory recorded; a variant that runs out of memory there gets None instead of times. Then in
-    each round every variant runs `steps` steps between two events, the order rotating by one
-    each round, with one synchronize per round: the host queues ahead as in real training.
-    `sync` replaces the synchronize (ddp.py: all ranks); `progress(round)` is called per round."""
+    """({name: [ms per step, a round each] or None (OOM)}, {name: peak bytes}) for {name: fn queueing a step}.
+    The warm-up also compiles, autotunes, grows the allocator and captures CUDA graphs (whose pool counts only
+    then). One synchronize per round (`sync`: ddp.py's, all ranks), so the host queues ahead as in training."""
     cuda = torch.device(device).type == "cuda"
     names, times, peaks = list(variants), {}, {}
     for i, name in enumerate(names):
@@ -669,12 +559,9 @@ def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progr
             progress(r)
     return times, peaks
 
-
 def lazily(make, device, held=lambda: 0, note=None):
-    """A variant for gpt.time_rounds that makes its model and batch at its first call: inside the
-    timer's warm-up, where an out-of-memory marks this variant OOM and the others go on. It also
-    notes what the other variants held then (max_memory_allocated covers the whole process), so
-    its own peak is the timer's peak minus that."""
+    """A variant that builds itself (make()) at its first call, inside the warm-up, where an OOM marks it
+    alone. state["others"]: what the others held then (max_memory_allocated covers the whole process)."""
     state = {}
 
     def variant():
@@ -692,10 +579,8 @@ def lazily(make, device, held=lambda: 0, note=None):
     variant.state = state
     return variant
 
-
 def summarize(times, baseline=None, peaks=None):
-    """{name: Timing or None}: median and min-max over rounds, and the median of the per-round
-    ratios to `baseline` with their min-max (paired: each ratio within one round)."""
+    """{name: Timing or None}: median (min-max) over rounds, and of the per-round ratios to `baseline`."""
     out = {}
     base = times.get(baseline)
     for name, ms in times.items():
@@ -709,25 +594,21 @@ def summarize(times, baseline=None, peaks=None):
         out[name] = t
     return out
 
-
 def compare(variants, device, baseline=None, rounds=20, steps=3, warmup=2, progress=None):
-    """time_rounds then summarize: {name: Timing or None (out of memory)}."""
     times, peaks = time_rounds(variants, device, rounds, steps, warmup, progress=progress)
     return summarize(times, baseline, peaks)
 
 
-# --- 9. small helpers the scripts share: device, precision, errors, paths, tables
+# --- 10. small helpers: device, precision, memory, errors, paths, tables
+def round_up(n, multiple):  # round_up(50257, 128) == 50304
+    return (n + multiple - 1) // multiple * multiple
 
-
-def fail(message):
-    """Stop on bad input with one sentence and exit status 2 (no traceback)."""
+def fail(message):  # bad input: one sentence and exit status 2, no traceback
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
-
 def resolve_device(name=None):
-    """`name` (cpu, cuda, cuda:N) or the best available device, as an indexed torch.device.
-    Anything else, or a GPU this machine does not have, is a ValueError in one sentence."""
+    """cpu, cuda or cuda:N (default: the best there is) as an indexed device; anything else is a ValueError."""
     name = name or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
@@ -743,23 +624,17 @@ def resolve_device(name=None):
         raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
     return device
 
-
 def amp_dtype(bf16=False, fp16=False):
-    """The autocast dtype the --bf16/--fp16 flags ask for (None: full precision)."""
     if bf16 and fp16:
         raise ValueError("--bf16 and --fp16 are exclusive; pick one")
     return torch.bfloat16 if bf16 else torch.float16 if fp16 else None
 
-
 def autocast(device, dtype):
-    """Autocast to dtype on device, or nothing when dtype is None."""
     return nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
 
-
 def set_tf32(enabled):
-    """TF32 for fp32 matmuls (10-bit mantissa on the tensor cores, ~8x the fp32 FLOP rate).
-    Newer torch has the fp32_precision controls and warns when they are mixed with the older
-    set_float32_matmul_precision, so use one or the other, never both."""
+    # TF32: fp32 matmuls on the tensor cores with a 10-bit mantissa, ~8x the fp32 rate. Newer torch warns
+    # when its fp32_precision controls are mixed with set_float32_matmul_precision: one or the other.
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):
         matmul.fp32_precision = "tf32" if enabled else "ieee"
@@ -767,16 +642,12 @@ def set_tf32(enabled):
     else:
         torch.set_float32_matmul_precision("high" if enabled else "highest")
 
-
 def synchronize(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
-
 def check_output_path(path, flag, ours=None):
-    """ValueError unless `path` can be written: not a directory, its folder exists and is
-    writable, and (with `ours`, a function that tells our files apart) not an existing file of
-    someone else's. Checked before any work, so a bad path costs seconds, not a training run."""
+    # checked before any work, so a bad path costs seconds, not a training run; `ours(path)`: a file we wrote
     if not path:
         raise ValueError(f"{flag} needs a file name")
     if os.path.isdir(path):
@@ -795,40 +666,12 @@ def check_output_path(path, flag, ours=None):
     except OSError as e:
         raise ValueError(f"{flag} {path} cannot be written there: {e.strerror or e}") from None
 
-
-def step_bytes(config, B, T, half=False):
-    """About what a training step holds at its peak, for a check before allocating: weights, gradients
-    and AdamW's two moments (16 bytes a parameter) and the activations kept for backward, per layer
-    ~(34 d + 5 H T) bytes a token in 16-bit (Korthikanti et al., 2022), twice that in fp32, plus
-    one chunk of fp32 logits (all of them without the fused loss). memory.py has the exact model."""
-    with torch.device("meta"):
-        params = GPT(config).num_params()
-    tokens = B * T
-    acts = config.n_layer * tokens * (34 * config.n_embd + 5 * config.n_head * T) * (1 if half else 2)
-    logits = (min(tokens, CE_CHUNK_ROWS) if config.fused_ce else 2 * tokens) * config.vocab_size * 4
-    return 16 * params + acts + logits
-
-
-def check_host_memory(nbytes, what, hint):
-    """On a CPU an allocation too large for the machine is not an error but the kernel's OOM killer
-    (exit 137, no word): refuse first, in one line with both numbers, before allocating."""
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not Linux: no way to ask, so no check
-        return
-    if nbytes > free:
-        fail(f"{what} needs about {gib(nbytes)} GiB of this machine's memory and {gib(free)} GiB are free; {hint}")
-
-
-# Ctrl-C and SIGTERM: every script stops with one line and exit 130 / 143, never a traceback. What
+# Ctrl-C and SIGTERM stop every script with one line and exit 130 / 143, never a traceback, saying what
 # had finished: the tables printed so far (print_table counts them) and the timer's last note.
 PROGRESS = {"tables": 0, "doing": "starting"}
 
-
 def run_main(main):
-    """main(), stopped cleanly by Ctrl-C (SIGINT, exit 130) or SIGTERM (exit 143)."""
     import signal
-
     def on_term(signum, frame):
         raise KeyboardInterrupt(signum)
     signal.signal(signal.SIGTERM, on_term)
@@ -840,50 +683,38 @@ def run_main(main):
               "table(s) above are complete, the rest did not run", file=sys.stderr)
         raise SystemExit(128 + signum) from None
 
-
 def is_oom(error):
-    """True for out-of-memory errors, also those cuBLAS and some kernels raise as RuntimeError."""
-    text = str(error).lower()  # the CPU allocator says "not enough memory"
+    text = str(error).lower()  # cuBLAS and some kernels raise a RuntimeError; the CPU says "not enough memory"
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "not enough memory" in text
 
-
 def free_memory():
-    """Return cached GPU memory after a configuration (or an OOM): collect the Python cycles that
-    keep tensors alive, then release the caching allocator's free blocks."""
-    __import__("gc").collect()
+    __import__("gc").collect()  # the cycles that keep tensors alive first, then the allocator's free blocks
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
 
 def gib(nbytes):
     return f"{nbytes / 2**30:.2f}"
 
-
 def print_table(headers, rows):
-    """Print rows (lists of values) under headers as an aligned plain-text table."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for n, row in enumerate(cells):
-        # first column (the configuration) left-aligned, numbers right-aligned
         print("  ".join(c.ljust(w) if i == 0 or n == 0 else c.rjust(w)
                         for i, (c, w) in enumerate(zip(row, widths))).rstrip())
         if n == 0:
             print("  ".join("-" * w for w in widths))
     PROGRESS["tables"] += 1
 
-
 def plot_to(path):
-    """matplotlib's pyplot for a --plot PNG (imported only then: it is optional), or a ValueError."""
+    """pyplot for a --plot PNG: matplotlib is imported only then."""
     try:
         import matplotlib
-
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ModuleNotFoundError:
         raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
     check_output_path(path, "--plot")
     return plt
-
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="The GPT-2 presets: parameters, and where they and the FLOPs are.")
@@ -900,18 +731,19 @@ def main(argv=None):
     with torch.device("meta"):  # count parameters without allocating them
         rows = [[name, c.n_layer, c.n_head, c.n_embd, c.d_ff, f"{GPT(c).num_params():,}",
                  f"{flops_per_token(c, args.seq or c.block_size) / 1e9:.2f}"] for name, c in configs.items()]
-    print_table(["preset", "layers", "heads", "d_model", "d_ff", f"params (vocab {args.vocab})", "train GFLOP/token"], rows)
+    print_table(["preset", "layers", "heads", "d_model", "d_ff", f"params (vocab {args.vocab})", "train GFLOP/token"],
+                rows)
     if args.model:
         c, d = configs[args.model], configs[args.model].n_embd
         parts = {"token embedding = output layer (tied)": c.vocab_size * d, "position table": c.block_size * d,
                  f"{c.n_layer} x attention (qkv, proj)": c.n_layer * (4 * d * d + 4 * d),
-                 f"{c.n_layer} x MLP": c.n_layer * (2 * d * c.d_ff + c.d_ff + d), "LayerNorms": (2 * c.n_layer + 1) * 2 * d}
+                 f"{c.n_layer} x MLP": c.n_layer * (2 * d * c.d_ff + c.d_ff + d),
+                 "LayerNorms": (2 * c.n_layer + 1) * 2 * d}
         print()
         print_table(["where the parameters are", "parameters", "share"],
                     [[k, f"{n:,}", f"{100 * n / sum(parts.values()):.1f}%"] for k, n in parts.items()])
     print("parameter counts include the tied embedding once and the position table; FLOPs: 6 per matmul "
           "parameter plus attention, at the block size unless --seq")
-
 
 if __name__ == "__main__":
     main()

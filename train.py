@@ -1,35 +1,17 @@
 """Train GPT-2 on Tiny Shakespeare, as fast as one GPU (or several) allows.
 
-Each flag is one of the speed-ups the other scripts measure: --tf32, --bf16 / --fp16 (autocast;
-fp16 needs a GradScaler), --attn, --vocab 50304 (a tensor-core-friendly vocabulary), --compile
-(torch.compile; on one GPU also CUDA graphs), --fp8 (FP8 matmuls on H100/H200, in the block
-layers wide enough to gain), and the output layer fused with the loss so the [tokens, vocab]
-logits never exist (on by default; --no-fused-ce turns it off). The loop never makes the GPU wait:
-a step's loss is read back while the GPU runs the next one (StepLog). Several GPUs: torchrun, with
-DDP (every GPU holds the whole model) or --fsdp (PyTorch's FSDP2: weights, gradients and optimizer
-state sharded across the GPUs, each block's weights gathered just before use); --recompute K
-stores only every K-th block's input and recomputes its activations in backward, so larger models fit.
+Each flag is a speed-up the other scripts measure: --tf32, --bf16 / --fp16, --attn, --vocab 50304, --compile
+(on one GPU with CUDA graphs), --fp8 (H100/H200, in the block layers wide enough to gain), and the output
+layer fused with the loss (--no-fused-ce turns it off). The loop never makes the GPU wait: a step's loss is
+read back while the GPU runs the next. Several GPUs: torchrun, DDP or --fsdp (FSDP2: weights, gradients and
+optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C saves
+--ckpt and prints how to resume. Without CUDA the same command trains `tiny` on a short context.
 
     python train.py --vocab 50304 --bf16 --compile                 # the headline run
     python train.py --vocab 50304 --bf16 --compile --fp8 0         # FP8 in every block (--fp8: >= 2048 wide)
     torchrun --nproc_per_node=2 train.py --model xl --vocab 50304 --bf16 --compile       # DDP
     torchrun --nproc_per_node=2 train.py --model 2.7B --vocab 50304 --fsdp --bf16 --compile --recompute 2
     python train.py --steps 40 --ckpt run.pt --stop-after 20; python train.py --steps 40 --ckpt run.pt --resume
-
-The summary line gives the median step time, tokens/s, MFU (model FLOPs only: recomputation is not
-counted, as PaLM defines it), the peak memory tensors took on rank 0's GPU in training steps
-(evaluation excluded; not the allocator's reserve), with --recompute the FLOPs the recomputed
-forwards add (what recomputing saves is the drop in peak memory), and the last val loss. Ctrl-C
-(or SIGTERM) finishes the step, writes the --ckpt checkpoint and prints how to resume; exit status
-130 (143). Without CUDA the same command trains the `tiny` preset on a short context.
-
-Excerpt (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-23; `--vocab 50304 --bf16 --compile`, defaults
-otherwise; the first step, with the compile, took 30.7 s):
-
-    step   198 | loss 5.1156 | lr 6.02e-05 | norm 0.875 | dt    35.9 ms |    457,012 tok/s | MFU 39.5% | mem 7.73 GiB
-    step   199 | loss 4.8341 | lr 6.00e-05 | norm 1.043 | dt    35.4 ms |    463,392 tok/s | MFU 40.0% | mem 7.73 GiB
-    step   199 | val loss 5.7128
-    summary: median step 35.3 ms over steps 10-199 | 464,058 tok/s | MFU 40.1% | peak mem 7.73 GiB | val loss 5.7128
 """
 
 import argparse
@@ -48,14 +30,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpt import (FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autocast, check_host_memory, check_output_path,
+from gpt import (CE_CHUNK_ROWS, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autocast, check_output_path,
                  clip_gradients, clock, compile_model, configure_optimizer, elapsed_ms, fail, flops_per_token,
                  fmt_mfu, fp8_supported, fully_shard_gpt, gib, gpt2_tokenizer, is_oom, load_tokens, make_config, mfu,
-                 print_table, resolve_device, set_tf32, step_bytes, use_fp8)
+                 print_table, resolve_device, set_tf32, use_fp8)
 
 # --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
-
-
 def wrap(model, args, world, device):
     """The module the loop calls: compiled (CUDA graphs only on one GPU without accumulation: DDP
     and FSDP launch their collectives from outside the graphs, see compile_model), then DDP. Under
@@ -69,8 +49,6 @@ def wrap(model, args, world, device):
 
 
 # --- 2. one optimizer step
-
-
 def train_step(model, optimizer, scaler, batches, lr, dtype, args, world, vote):
     """One optimizer step over the micro-batches (x, y) with autocast to `dtype`. It only queues
     GPU work and returns the mean loss, the grad norm and (several processes) the stop votes
@@ -102,8 +80,6 @@ def train_step(model, optimizer, scaler, batches, lr, dtype, args, world, vote):
 
 
 # --- 3. the loop: a line per step without waiting, and a clean stop on Ctrl-C / SIGTERM
-
-
 class StepLog:
     """A line per step that never makes the GPU wait for the host.
 
@@ -167,7 +143,6 @@ class StepLog:
                 f"{self.first + len(self.times) - 1} | {self.tokens / median:,.0f} tok/s | "
                 f"MFU {fmt_mfu(mfu(self.flops / median, self.device))} | peak mem {self.mem()}{extra}")
 
-
 class StopSignal:
     """Ctrl-C (SIGINT) and SIGTERM set a flag instead of raising in the middle of a step, so the
     loop can finish the step, save and say how to resume. Under torchrun every rank must stop
@@ -185,7 +160,6 @@ class StopSignal:
     def restore(self):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
-
 
 def train(args, config, data, state, rank, world, device):
     log = print if rank == 0 else (lambda *a, **k: None)
@@ -259,7 +233,6 @@ def train(args, config, data, state, rank, world, device):
     if args.sample and (args.fsdp or rank == 0):  # under FSDP every rank must take part in each forward
         print_sample(raw_model, args.sample, device, dtype, args.seed, log)
 
-
 def recompute_cost(config, T):
     """' | recompute ...': the blocks recomputed and the forward FLOPs they add to a step, as a
     share of the step's model FLOPs (a block's forward: 2 per weight, 4*d*T of attention, per token)."""
@@ -269,7 +242,6 @@ def recompute_cost(config, T):
     n = len(range(0, L, K))
     extra = n * (2 * (4 * d * d + 2 * d * config.d_ff) + 4 * d * T) / flops_per_token(config, T)
     return f" | recompute {n}/{L} blocks: +{100 * extra:.0f}% FLOPs (not in MFU)"
-
 
 def print_fp8_table(plan, args, config):
     """Which Linears run their matmuls in FP8: the block's four where both widths reach --fp8
@@ -284,8 +256,6 @@ def print_fp8_table(plan, args, config):
 
 
 # --- 4. data: Tiny Shakespeare as GPT-2 tokens, read sequentially so a run can resume exactly
-
-
 def get_batch(tokens, pos, B, T, device):
     """Inputs and next-token targets from tokens[pos : pos + B*T + 1]. Pinned host memory lets the
     copy to the GPU run asynchronously (non_blocking), overlapping the previous step's work."""
@@ -295,12 +265,10 @@ def get_batch(tokens, pos, B, T, device):
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x, y
 
-
 def next_position(pos, stride, n_tokens):
     """Advance the read position by one step of all ranks; wrap before running off the end."""
     pos += stride
     return 0 if pos + stride + 1 > n_tokens else pos
-
 
 def lr_at(step, args):
     """Linear warm-up, then cosine decay to min_lr."""
@@ -318,18 +286,15 @@ def lr_at(step, args):
 # fine at these sizes; sharded writes win when that no longer fits.
 KIND = "nanoperf train.py checkpoint, format 2"
 
-
 def precision_of(args):
     """The flags that set the arithmetic: a resumed run may change them, and is told so."""
     return " + ".join(["bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"] + ["tf32"] * bool(args.tf32)
                       + ([f"fp8 (min width {args.fp8})"] if args.fp8 is not None else []))
 
-
 def run_fields(args, world):
     """What must match for a resumed run to continue the same run (the data order and schedule)."""
     return {"model": args.model, "vocab": args.vocab, "seq": args.seq, "grad_accum": args.grad_accum,
             "steps": args.steps, "sequences": args.batch * world}
-
 
 def save_checkpoint(path, model, optimizer, scaler, step, pos, args, rank, world):
     if not (args.fsdp or rank == 0):  # gathering FSDP's shards takes every rank; DDP's ranks hold copies
@@ -351,7 +316,6 @@ def save_checkpoint(path, model, optimizer, scaler, step, pos, args, rank, world
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
 
-
 def read_checkpoint(path, args, world):
     """The checkpoint at `path`, or a ValueError saying in one sentence why it is not one for this run."""
     if os.path.getsize(path) == 0:
@@ -371,13 +335,11 @@ def read_checkpoint(path, args, world):
             raise ValueError(f"{path} was made with {flag} {state['run'].get(key)}, not {now}")
     return state
 
-
 def is_checkpoint(path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("kind") == KIND
     except Exception:
         return False
-
 
 def apply_checkpoint(state, path, model, optimizer, scaler):
     """Load the full state into the (possibly sharded) model and optimizer: each rank keeps its shard."""
@@ -395,8 +357,6 @@ def apply_checkpoint(state, path, model, optimizer, scaler):
 
 
 # --- 6. evaluation and sampling
-
-
 @torch.no_grad()
 def val_loss(model, val, plan, args, rank, world, device, dtype):
     """Mean loss over the first batches of the validation split (the same every time). Each rank
@@ -414,7 +374,6 @@ def val_loss(model, val, plan, args, rank, world, device, dtype):
         dist.all_reduce(total)
     return total.item() / (n_batches * world)
 
-
 def print_sample(model, n_tokens, device, dtype, seed, log):
     enc = gpt2_tokenizer()
     prompt = torch.tensor([enc.encode_ordinary("\n")], device=device)
@@ -425,8 +384,6 @@ def print_sample(model, n_tokens, device, dtype, seed, log):
 
 
 # --- 7. command line and the checks made before any work
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Train GPT-2 on Tiny Shakespeare.")
     p.add_argument("--model", help="preset: tiny, gpt2, small, medium, large, xl, 2.7B (default gpt2; tiny on CPU)")
@@ -465,7 +422,6 @@ def parse_args(argv):
     args.argv = sys.argv[1:] if argv is None else list(argv)  # for the resume command printed on Ctrl-C
     return args
 
-
 def check_flags(args):
     """Value ranges, before anything starts (ValueError)."""
     positive = ("batch", "seq", "steps", "grad_accum", "eval_every", "eval_steps", "stop_after", "recompute", "lr")
@@ -492,7 +448,6 @@ def check_flags(args):
     if args.ckpt and os.path.isfile(args.ckpt) and not (args.resume or args.overwrite):  # nor over a run of ours
         raise ValueError(f"--ckpt {args.ckpt} already holds a checkpoint: continue it with --resume, or start over "
                          "with --overwrite or another --ckpt")
-
 
 def check_run(args, world, device):
     """Device-dependent defaults and checks, the data and the checkpoint to resume: (config,
@@ -530,19 +485,36 @@ def check_run(args, world, device):
         raise ValueError(f"the validation split holds {len(val):,} tokens, fewer than --seq {args.seq} x "
                          f"{world} process(es); lower --seq or use more text")
     eval_plan = (rows, min(args.eval_steps, (len(val) - 1) // (rows * args.seq * world)))
-    if on_cpu:  # the kernel's OOM killer would end the run without a word
-        check_host_memory(step_bytes(config, args.batch, args.seq, half=args.bf16), f"model {args.model} at batch "
-                          f"{args.batch} x seq {args.seq}", "lower --batch or --seq, or use a smaller --model")
+    if on_cpu:
+        check_host_memory(config, args)
 
     state = read_checkpoint(args.ckpt, args, world) if args.resume else None
     args.last = min(args.steps, args.stop_after or args.steps)  # the loop runs up to here
     if state is not None and state["step"] >= args.last:
-        raise ValueError(f"{args.ckpt} is at step {state['step']}: nothing left to run with --steps {args.steps}"
-                         + (f" --stop-after {args.stop_after} (a step of the run, not a count)" if args.stop_after else ""))
+        stop = f" --stop-after {args.stop_after} (a step of the run, not a count)" if args.stop_after else ""
+        raise ValueError(f"{args.ckpt} is at step {state['step']}: nothing left to run with --steps {args.steps}{stop}")
     if state is not None and state.get("precision", precision_of(args)) != precision_of(args):
         args.note = f"note: {args.ckpt} was trained in {state['precision']}; this run continues in {precision_of(args)}"
     return config, (train_tokens, val, eval_plan), state
 
+def check_host_memory(config, args):
+    """On a CPU an allocation too large is no error but the kernel's OOM killer (exit 137, no word): refuse
+    first. The step's peak, about: weights, gradients and AdamW's moments (16 bytes a parameter), activations
+    ~(34 d + 5 H T) bytes a token per layer in 16-bit (Korthikanti et al., 2022), twice in fp32, and a chunk
+    of fp32 logits (all of them unfused). memory.py has the exact model."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not Linux: no way to ask, so no check
+        return
+    with torch.device("meta"):
+        params = GPT(config).num_params()
+    B, T = args.batch, args.seq
+    acts = config.n_layer * B * T * (34 * config.n_embd + 5 * config.n_head * T) * (1 if args.bf16 else 2)
+    logits = (min(B * T, CE_CHUNK_ROWS) if config.fused_ce else 2 * B * T) * config.vocab_size * 4
+    need = 16 * params + acts + logits
+    if need > free:
+        fail(f"model {args.model} at batch {B} x seq {T} needs about {gib(need)} GiB of this machine's memory and "
+             f"{gib(free)} GiB are free; lower --batch or --seq, or use a smaller --model")
 
 def init_distributed(args):
     """(rank, world, device); torchrun sets RANK, WORLD_SIZE and LOCAL_RANK."""
@@ -561,7 +533,6 @@ def init_distributed(args):
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return rank, world, device
-
 
 def main(argv=None):
     args = parse_args(argv)
@@ -598,7 +569,6 @@ def main(argv=None):
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()
