@@ -429,7 +429,7 @@ def test_train_gpu_recompute_fp8_fused_ce_compile():
 def test_bench_attention_sweep_saved_bytes_and_script():
     args = ba.parse_args(["--impl", "naive,flash,efficient,math", "--d", "16", "--seq", "32,64", "--rounds", "3",
                           "--steps", "1", "--warmup", "1", "--dtype", "fp32", "--causal", "--device", "cpu"])
-    results, _ = ba.run_sweep(args, ba.make_impls(args.impl, True, args.device), args.device, torch.float32)
+    results, _ = ba.run_sweep(args, ba.make_impls(args.impl, args.device), args.device, torch.float32)
     assert set(results) == {(16, 32), (16, 64)}, results
     for row in results.values():
         for t in (row[name][mode] for name in ("naive", "flash", "math") for mode in ("fwd", "both")):
@@ -437,19 +437,16 @@ def test_bench_attention_sweep_saved_bytes_and_script():
         assert row["flash"]["both"].ratio == 1.0  # the baseline against itself, round by round
         assert HAS_CUDA or row["efficient"] == ("n/a", "needs CUDA"), row["efficient"]  # n/a, not a crash
     # what naive attention keeps for backward (one B*H*S*S matrix): predicted from the shapes = counted by hooks
-    for B, H, S, D, dtype, causal in [(2, 3, 48, 16, torch.float32, False), (1, 2, 40, 8, torch.bfloat16, True)]:
+    for B, H, S, D, dtype in [(2, 3, 48, 16, torch.float32), (1, 2, 40, 8, torch.bfloat16)]:
         q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=True) for _ in range(3))
-        measured = ba.measure_saved_bytes(lambda q, k, v: ba.naive_attention(q, k, v, causal), q, k, v)
-        assert ba.naive_saved_bytes(B, H, S, D, dtype, causal) == measured, (B, H, S, D, dtype, causal, measured)
+        measured = ba.measure_saved_bytes(gpt.naive_attention, q, k, v)
+        assert ba.naive_saved_bytes(B, H, S, D, dtype) == measured, (B, H, S, D, dtype, measured)
     with tempfile.TemporaryDirectory() as tmp:
         plot = ["--plot", os.path.join(tmp, "a.png")] if importlib.util.find_spec("matplotlib") else []
         out, err = main_ok("bench_attention.py", "--impl", "naive,math", "--d", "16", "--seq", "32", "--rounds", "2",
                            "--steps", "1", "--dtype", "fp32", *plot)
         assert out.strip().splitlines()[-1].startswith("summary:"), out + err
         assert "rounds" in out and "saved pred" in out and (not plot or os.path.getsize(plot[1]) > 0), out
-    out, err = main_ok("bench_attention.py", "--suite", "flash", "--impl", "naive", "--d", "16", "--seq", "64",
-                       "--dtype", "fp32")
-    assert "fp32 fwd+bwd" in out and out.strip().splitlines()[-1].startswith("summary:"), out + err
 
 def test_bench_attention_bad_input():
     check_bad_inputs("bench_attention.py", [
@@ -458,7 +455,7 @@ def test_bench_attention_bad_input():
         ("--rounds 0", "--rounds must be at least 1"), ("--steps 0", "--steps must be at least 1"),
         ("--warmup -1", "non-negative"), ("--batch 0", "--batch"), ("--heads 0", "--heads"),
         ("--impl flash --baseline naive", "--baseline naive"), ("--memory-fraction 1.5", "memory-fraction"),
-        ("--plot /nonexistent/a.png", "--plot"), ("--suite bogus", "invalid choice")])
+        ("--plot /nonexistent/a.png", "--plot")])
 
 @gpu
 def test_bench_attention_oom_row_then_next_runs():
@@ -572,7 +569,7 @@ def test_bench_e2e_sweep_numbers_profile_cpu_run():
     bench = bench_e2e.build(gpt.make_config("tiny"), {**bench_e2e.FIRST_RUNG, "attn": "naive"}, cpu)
     profs = bench_e2e.profile_steps(bench, 1, 16, cpu, warmup=1, steps=1)
     fwd, step = (bench_e2e.category_times(profs[m], False) for m in ("forward", "train"))
-    assert {"matmul", "optimizer", "elementwise+norm"} <= set(step) and "optimizer" not in fwd, (fwd, step)
+    assert {"matmul", "optimizer", "element-wise", "normalization"} <= set(step) and "optimizer" not in fwd, (fwd, step)
     stages = bench_e2e.naive_attention_rows(profs["forward"], bench["config"], 1, 16, 1, False)
     assert [r[0] for r in stages] == list(bench_e2e.NAIVE_RANGES)
     assert float(stages[1][4][:-1]) < float(stages[2][4][:-1])  # the softmax's FLOP share is the smaller
@@ -944,19 +941,17 @@ def test_flash_train_matches_sdpa():
         (ours, ref)
 
 
-# --- 9. the repository: every script short enough to read through
+# --- 9. the repository: every script readable on a screen
 
-def test_file_sizes_and_line_lengths():
-    """Every tracked script: at most 650 lines (ddp.py 700, test_all.py 800), no line over 120 characters."""
-    limits, bad = {"ddp.py": 700, "test_all.py": 800}, []
+def test_line_lengths():
+    """No line over 120 characters in any tracked script."""
     try:  # the tracked scripts; outside a git checkout, the folder's
         names = subprocess.run(["git", "ls-files", "*.py"], cwd=HERE, capture_output=True, text=True).stdout.split()
     except FileNotFoundError:
         names = []
+    bad = []
     for name in names or sorted(n for n in os.listdir(HERE) if n.endswith(".py")):
         lines = open(os.path.join(HERE, name), encoding="utf-8").read().splitlines()
-        if len(lines) > limits.get(name, 650):
-            bad.append(f"{name}: {len(lines)} lines, more than {limits.get(name, 650)}")
         if long := [i for i, line in enumerate(lines, 1) if len(line) > 120]:
             bad.append(f"{name}: {len(long)} lines over 120 characters (line {', '.join(map(str, long[:5]))} ...)")
     assert not bad, "\n".join(bad)
