@@ -1,16 +1,12 @@
-"""Data parallelism from the collective up: all-reduce bandwidth, four ways to average gradients (one
-all-reduce per tensor, one flat buffer, one per gradient overlapping backward, ~25 MB buckets), then
-sharding the optimizer state (ZeRO-1), the gradients (ZeRO-2) and the weights themselves (FSDP: each
-layer all-gathered just before it runs, its gradients reduce-scattered). Every class is checked against
-one process training on the whole batch, and timed against PyTorch's DDP and FSDP2.
+"""Data parallelism written out: four ways to average gradients (per tensor, one flat buffer, overlapping backward,
+~25 MB buckets), then sharding the optimizer state (ZeRO-1), the gradients (ZeRO-2) and the weights (FSDP: each
+layer gathered just before it runs). Each is checked against one process on the whole batch, timed against torch's.
 
-    python ddp.py allreduce                      # NCCL bandwidth table, world 2/4/6/8 as GPUs allow
+    python ddp.py selftest --world 2             # every class against one process on the whole batch
     python ddp.py benchmark --world 2            # GPT xl, B=4 per rank, T=512, bf16: every variant
     python ddp.py benchmark --variants local,torch,bucket,fsdp:bf16 --plot ddp.png
-    python ddp.py selftest --world 2             # every class against one process on the whole batch
 
-Without a GPU everything runs on gloo at tiny sizes: a smoke run, not a measurement. The measured
-tables (2x H200) are in the README.
+Without a GPU everything runs on gloo at tiny sizes: a smoke run, not a measurement.
 """
 
 import argparse
@@ -28,32 +24,26 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from gpt import (GPT, Timing, autocast, clock, configure_optimizer, elapsed_ms, fail, free_memory, fully_shard_gpt,
                  gib, lazily, make_config, plot_to, print_table, round_up, run_main, set_tf32, summarize,
                  synchronize, time_rounds)
 
-# newer torch names the flat collectives *_single. gloo does a reduce-scatter as an all-reduce that keeps
-# its slice (twice the traffic, fine for a CPU smoke run); NCCL does the real thing. Both average inside.
+# newer torch names the flat collectives *_single. gloo reduce-scatters by an all-reduce that keeps its slice (twice
+# the traffic, fine for a CPU smoke run); NCCL does the real thing. Both average inside.
 all_gather_into = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_into = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 AVG = dist.ReduceOp.AVG
 
 # --- 1. averaging gradients: four wrappers with one interface
-
-
 def on_gradient(p, method):
-    """Call method(p) once p.grad is complete in each backward (every use of p summed in). The hook holds
-    the wrapper weakly: a strong reference is a cycle the garbage collector cannot see through."""
+    """Call method(p) once p.grad is complete in each backward. Held weakly: a strong reference is a cycle."""
     ref = weakref.WeakMethod(method)
     p.register_post_accumulate_grad_hook(lambda param: ref() and ref()(param))
 
-
 class DataParallel(nn.Module):
     """What the wrappers share: rank 0's parameters and buffers at construction, and forward."""
-
     def __init__(self, module):
         super().__init__()
         self.module = module
@@ -72,42 +62,33 @@ class DataParallel(nn.Module):
                                "finish_gradient_synchronization: every trainable parameter must be used in forward")
 
     def all_reduce_flat(self, params):
-        """One all-reduce of one flat copy of the gradients after backward: one latency, full bandwidth,
-        paid for with a copy in, a copy out and a second gradient-sized buffer."""
+        """One all-reduce of a flat copy of the gradients: one latency, full bandwidth, a second gradient buffer."""
         self.check([p for p in params if p.grad is None])
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat, op=AVG)
         for p, part in zip(params, flat.split([p.numel() for p in params])):
             p.grad.copy_(part.view_as(p))
 
-
 class NaiveDDP(DataParallel):
-    """After backward, one blocking all-reduce per gradient: ~580 collectives for GPT-2 xl, each
-    paying the launch latency, and the GPU computes nothing while they run."""
-
+    """After backward, one blocking all-reduce per gradient: ~580 latencies for GPT-2 xl, nothing computed meanwhile."""
     def finish_gradient_synchronization(self):
         self.check([p for p in self.trainable if p.grad is None])
         for p in self.trainable:
             dist.all_reduce(p.grad, op=AVG)
 
-
 class FlatDDP(DataParallel):
     def finish_gradient_synchronization(self):
         self.all_reduce_flat(self.trainable)
 
-
 class OverlapDDP(DataParallel):
-    """An asynchronous all-reduce per gradient, started the moment backward has finished it, so
-    communication runs while backward computes the layers below."""
-
+    """An asynchronous all-reduce per gradient as backward finishes it: it runs while the layers below compute."""
     def __init__(self, module):
         super().__init__(module)
         self.works = {}
         for p in self.trainable:
             on_gradient(p, self.reduce)
 
-    def reduce(self, p):
-        # every rank runs the same graph, so the hooks fire and the collectives queue in one order
+    def reduce(self, p):  # every rank runs the same graph: the hooks fire, the collectives queue, in one order
         self.works[p] = dist.all_reduce(p.grad, op=AVG, async_op=True)
 
     def finish_gradient_synchronization(self):
@@ -116,12 +97,9 @@ class OverlapDDP(DataParallel):
             work.wait()  # on a GPU: the compute stream waits for NCCL's, the CPU goes on
         self.works = {}
 
-
 class BucketDDP(DataParallel):
-    """Gradients in ~bucket_mb buckets, in reverse registration order (roughly the order backward
-    makes them); a bucket's asynchronous all-reduce starts when its last gradient arrives. p.grad is
-    a view into its bucket, so the average needs no copy back. comm_dtype=bfloat16 sends half."""
-
+    """Gradients in ~bucket_mb buckets in reverse order (roughly backward's), each all-reduced once complete. p.grad
+    is a view into its bucket, so the average needs no copy back. comm_dtype=bfloat16 sends half."""
     def __init__(self, module, bucket_mb=25, comm_dtype=None):
         super().__init__(module)
         self.comm_dtype, self.world = comm_dtype, dist.get_world_size()
@@ -175,14 +153,9 @@ class BucketDDP(DataParallel):
 # takeaway: bucketing plus overlap is what torch DDP does: few large collectives, most hidden behind backward.
 
 # --- 2. ZeRO: the optimizer state sharded (ZeRO-1), then the gradients too (ZeRO-2)
-
-
 class ZeRO2(BucketDDP):
-    """BucketDDP with each bucket reduce-scattered (an all-reduce's first half): a rank receives the
-    averaged gradient of only its 1/world slice of every bucket, and drops the full gradients after
-    the sync. ShardedOptimizer steps the slices, then the buckets are all-gathered (the second half)
-    in place: the parameters live in one flat buffer per bucket. Same bytes as one all-reduce."""
-
+    """BucketDDP with each bucket reduce-scattered (an all-reduce's first half): a rank keeps the average of only its
+    1/world slice. ShardedOptimizer steps the slices, then the flat parameter buckets are all-gathered in place."""
     def __init__(self, module, bucket_mb=25, comm_dtype=None):
         super().__init__(module, bucket_mb, comm_dtype)
         self.sizes = [round_up(n, self.world) for n in self.sizes]  # padded: a bucket splits evenly
@@ -216,13 +189,10 @@ class ZeRO2(BucketDDP):
         """After the optimizer stepped this rank's slices: every rank gets every slice."""
         return [all_gather_into(flat, flat.chunk(self.world)[dist.get_rank()], async_op=True) for flat in self.params]
 
-
 class ShardedOptimizer(torch.optim.Optimizer):
-    """Optimizer state (AdamW: two fp32 tensors per parameter) for ~1/world of the parameters on
-    each rank. ZeRO-1, after any wrapper: each parameter goes to the least-loaded rank, which steps
-    it and broadcasts it. ZeRO-2, for a ZeRO2 wrapper's parameters: each rank steps its slice of
-    every bucket (the only gradient it received), then the wrapper all-gathers the buckets."""
-
+    """AdamW's two fp32 tensors per parameter for ~1/world of the parameters on each rank. ZeRO-1: each parameter
+    goes to the least-loaded rank, which steps and broadcasts it. ZeRO-2 (a ZeRO2 wrapper's parameters): each rank
+    steps its slice of every bucket, then the wrapper all-gathers the buckets."""
     def __init__(self, params, optimizer_cls, **kwargs):
         self.optimizer_cls, self.kwargs, self.rank = optimizer_cls, kwargs, dist.get_rank()
         self.owners, self.load = [], [0] * dist.get_world_size()  # ZeRO-1: (parameter, owner); elements per rank
@@ -248,8 +218,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.local = self.optimizer_cls([{**group, "params": mine}], **self.kwargs)
         elif mine:
             self.local.add_param_group({**group, "params": mine})
-        if mine:
-            self.group_pairs.append((group, self.local.param_groups[-1]))
+        self.group_pairs += [(group, self.local.param_groups[-1])] if mine else []
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -268,18 +237,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 # takeaway: an all-reduce is a reduce-scatter plus an all-gather; ZeRO-2 steps the optimizer in between.
 
 # --- 3. FSDP: the weights sharded too, each layer gathered just before it runs
-
-
 class FSDP(DataParallel):
-    """Each trainable parameter of 2+ dims (a tied one once) is split along dim 0, padded to a multiple
-    of the world size: .module's parameters become this rank's shards, which any torch optimizer steps;
-    1-D ones stay whole, in fp32. The units are the entries of the model's nn.ModuleLists (GPT's
-    blocks) plus the rest (embeddings, final norm, tied output layer), gathered for the whole step. A
-    unit's weights are all-gathered just before it runs, cast to compute_dtype first (bf16: half the
-    bytes travel), and freed after, the next unit's all-gather in flight meanwhile. Each gradient is
-    reduce-scattered in fp32 once backward has finished it; the 1-D ones are all-reduced at the end.
-    Not with activation checkpointing: it re-runs forward inside backward."""
-
+    """Each trainable parameter of 2+ dims is split along dim 0 (padded): .module's parameters become this rank's
+    shards, which any torch optimizer steps; 1-D ones stay whole. A unit (an nn.ModuleList entry; unit 0: the rest)
+    is all-gathered just before it runs, in compute_dtype (bf16: half the bytes), and freed after, the next unit's
+    gather in flight. Gradients are reduce-scattered in fp32 as backward finishes them, 1-D ones all-reduced."""
     def __init__(self, module, compute_dtype=None):
         if getattr(getattr(module, "config", None), "recompute", 0):
             raise ValueError("FSDP does not support activation checkpointing (config.recompute)")
@@ -303,13 +265,11 @@ class FSDP(DataParallel):
             layer.register_forward_hook(partial(self.post_forward, u))
 
     def shard_(self, p):
-        """Keep this rank's rows of p (p.data becomes the shard) and make the full tensor it is
-        gathered into: the leaf the layer computes with, whose memory exists only while gathered."""
+        """p.data becomes this rank's rows; the full tensor the layer computes with has memory only while gathered."""
         padded = p.new_zeros(round_up(p.shape[0], self.world), *p.shape[1:])
         padded[:p.shape[0]] = p.detach()
         full = torch.empty(padded.shape, dtype=self.compute_dtype or p.dtype, device=p.device, requires_grad=True)
-        # the all-gather writes through an alias: the same memory but its own version counter, so
-        # autograd does not take a refill for a change to the weights it saved for backward
+        # the all-gather writes through an alias (own version counter): autograd takes no refill for a change
         alias = torch.empty(0, dtype=full.dtype, device=p.device).set_(full.untyped_storage(), 0, full.shape)
         full.untyped_storage().resize_(0)
         self.full[p], self.shard_of[full] = (full, alias, p.shape[0]), p
@@ -335,8 +295,7 @@ class FSDP(DataParallel):
             self.full[p][0].untyped_storage().resize_(0)
 
     def install(self, u, on=True):
-        """Point unit u's modules at the gathered weights and at compute_dtype copies of the others
-        (differentiable: the fp32 parameter gets the gradient); or back at the parameters."""
+        """Point unit u's modules at the gathered weights and compute_dtype copies of the rest; or back."""
         for m, name, p in self.slots[u]:
             if not on:
                 m._parameters[name] = p
@@ -415,13 +374,8 @@ class FSDP(DataParallel):
 # takeaway: FSDP keeps 1/world of the weights; it pays an all-gather per layer in forward and again in backward.
 
 # --- 4. correctness: a toy model on every rank against one process on the whole batch
-
-
 class ToyModel(nn.Module):
-    """Small, and awkward enough to catch the usual bugs: a tied output layer (its gradient has two
-    parts), a frozen layer (never reduced or waited for), a buffer (must come from rank 0), layers in
-    an nn.ModuleList (FSDP's units) and 15 embedding rows (FSDP pads them)."""
-
+    """The usual bugs' traps: a tied output layer, a frozen layer, a buffer, an nn.ModuleList, 15 rows to pad."""
     def __init__(self, vocab=15, dim=8):
         super().__init__()
         self.embed, self.norm = nn.Embedding(vocab, dim), nn.LayerNorm(dim)
@@ -437,12 +391,10 @@ class ToyModel(nn.Module):
         for layer in self.layers:
             h = h + layer(h)
         logits = self.out(self.norm(h) + self.shift.to(h.dtype)).float()
-        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 def toy_optimizer(model, kind):
-    """SGD, or AdamW with a decayed and an undecayed group, sharded ("zero-adamw") with the second
-    group added after construction."""
+    """SGD, or AdamW with a decayed and an undecayed group; "zero-adamw" shards it, adding a group late."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2]},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -452,25 +404,18 @@ def toy_optimizer(model, kind):
     optimizer.add_param_group(groups[1])
     return optimizer
 
-
 def train_toy(model, optimizer, steps, rank=0, world=1, dtype=None, parts=1):
-    """Rank r trains on the r-th of world slices of each batch: the mean of the slices' mean losses
-    is the whole batch's, so the averaged gradient is the same. The one-process reference sums the
-    gradients of `parts` = world slices as the ranks' all-reduce does (one 8-row backward would add
-    its rows in another order: ~1e-8 apart): with 2 ranks bitwise the same arithmetic, a + b being
-    b + a. For FSDP's compute_dtype it casts every parameter to dtype for the forward, as FSDP does."""
+    """Rank r trains on the r-th of world slices of each batch. The one-process reference sums the gradients of
+    `parts` slices as the all-reduce does (one 8-row backward adds in another order): on 2 ranks the same bits."""
     device = next(model.parameters()).device
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         x, y = (torch.randint(15, (8, 6), generator=g).to(device) for _ in "xy")
         for i in range(rank * parts, (rank + 1) * parts):
             part = slice(i * 8 // (world * parts), (i + 1) * 8 // (world * parts))
-            if dtype is None:
-                loss = model(x[part], y[part])[1]
-            else:
-                cast = {n: p.to(dtype) for n, p in model.named_parameters()}
-                loss = torch.func.functional_call(model, cast, (x[part], y[part]))[1]
-            loss.backward()
+            inputs = (x[part], y[part])
+            cast = {n: p.to(dtype) for n, p in model.named_parameters()} if dtype else None  # as FSDP computes
+            (model(*inputs) if cast is None else torch.func.functional_call(model, cast, inputs))[1].backward()
         for p in model.parameters() if parts > 1 else []:  # the mean over the slices, in fp32 as the ranks take it
             if p.grad is not None:
                 p.grad /= parts
@@ -479,32 +424,25 @@ def train_toy(model, optimizer, steps, rank=0, world=1, dtype=None, parts=1):
             optimizer.step()
             optimizer.zero_grad()
 
-
 def toy_state(model):
     """Every parameter (a tied one once) and buffer, whole, on the CPU."""
     inner = getattr(model, "module", model)
     params = model.gather_full_params() if isinstance(model, FSDP) else dict(inner.named_parameters())
     return {k: v.detach().cpu().clone() for k, v in [*params.items(), *inner.named_buffers()]}
 
-
 TINY = 0.0002  # MB: a bucket or two per parameter
 # name: (wrapper, optimizer, tolerance). ZeRO-1 is BucketDDP with a ShardedOptimizer.
-TOY_VARIANTS = {
-    "naive": (NaiveDDP, "sgd", 2e-6), "flat": (FlatDDP, "sgd", 2e-6), "overlap": (OverlapDDP, "sgd", 2e-6),
-    "bucket": (partial(BucketDDP, bucket_mb=TINY), "sgd", 2e-6),
-    "bucket-bf16": (partial(BucketDDP, bucket_mb=TINY, comm_dtype=torch.bfloat16), "sgd", 1e-2),
-    "zero1-adamw": (partial(BucketDDP, bucket_mb=TINY), "zero-adamw", 2e-6),
-    "zero2-adamw": (partial(ZeRO2, bucket_mb=TINY), "zero-adamw", 2e-6),
-    "fsdp": (FSDP, "sgd", 2e-6), "fsdp-adamw": (FSDP, "adamw", 2e-6),
-    "fsdp-fp16": (partial(FSDP, compute_dtype=torch.float16), "sgd", 2e-6),
-}
-
+TOY_VARIANTS = {"naive": (NaiveDDP, "sgd", 2e-6), "flat": (FlatDDP, "sgd", 2e-6), "overlap": (OverlapDDP, "sgd", 2e-6),
+                "bucket": (partial(BucketDDP, bucket_mb=TINY), "sgd", 2e-6),
+                "bucket-bf16": (partial(BucketDDP, bucket_mb=TINY, comm_dtype=torch.bfloat16), "sgd", 1e-2),
+                "zero1-adamw": (partial(BucketDDP, bucket_mb=TINY), "zero-adamw", 2e-6),
+                "zero2-adamw": (partial(ZeRO2, bucket_mb=TINY), "zero-adamw", 2e-6),
+                "fsdp": (FSDP, "sgd", 2e-6), "fsdp-adamw": (FSDP, "adamw", 2e-6),
+                "fsdp-fp16": (partial(FSDP, compute_dtype=torch.float16), "sgd", 2e-6)}
 
 def selftest_worker(rank, world, device, args):
-    """Per variant, every rank's weights after training against one process on the whole batch
-    from rank 0's initial weights (a rank the broadcast missed differs too); for FSDP, after one
-    more sync, fp32 gradients shaped like the shards, the replicated ones the same bits on every
-    rank; for ZeRO, the optimizer state split between the ranks."""
+    """Per variant: every rank's weights against one process from rank 0's initial weights; FSDP's gradients
+    shaped like the shards, in fp32, the replicated ones equal on all ranks; ZeRO's state split between ranks."""
     rows = []
     for name, (wrapper, kind, tol) in args.toy_variants.items():
         torch.manual_seed(100 + rank)  # different weights on every rank until the wrapper syncs them
@@ -532,15 +470,13 @@ def selftest_worker(rank, world, device, args):
             rows.append([name, f"{error:.1e}", "bitwise" if exact else f"{tol:.0e}", "ok" if ok else "FAIL"])
     return rows
 
-
-def run_selftest(args, world):
-    if 8 % world:  # equal slices: the mean of their mean losses is the whole batch's
-        fail(f"--world {world}: the selftest's batch of 8 sequences splits evenly over 1, 2, 4 or 8 ranks")
-    check_launch(world, args.backend, 0, "the selftest")
-    print(f"selftest: every wrapper on {world} ranks ({args.backend}) vs one process on the whole batch, "
-          f"{args.steps} steps")
+def run_selftest(args):
+    if 8 % args.world:  # equal slices: the mean of their mean losses is the whole batch's
+        fail(f"--world {args.world}: the selftest's batch of 8 sequences splits evenly over 1, 2, 4 or 8 ranks")
+    check_launch(args.world, args.backend, 0, "the selftest")
+    print(f"selftest: every wrapper on {args.world} ranks ({args.backend}) vs one process, {args.steps} steps")
     args.toy_variants = dict(TOY_VARIANTS)  # they travel with args: a spawned rank imports ddp afresh
-    rows = launch(selftest_worker, world, args.backend, args)
+    rows = launch(selftest_worker, args.world, args.backend, args)
     print_table(["variant", "max |w - reference| on any rank", "tolerance", "result"], rows)
     failed = [r[0] for r in rows if r[-1] != "ok"]
     print(f"selftest: {len(rows) - len(failed)} of {len(rows)} variants match one-process training"
@@ -549,90 +485,19 @@ def run_selftest(args, world):
 
 # takeaway: fp32 on two ranks must reproduce one process bit for bit; a missed or doubled average shows.
 
-# --- 5. all-reduce bandwidth: small messages pay latency, large ones the link's bandwidth
-
-
-def parse_size(text):
-    """'1M', '10MB', '1GiB', '4096' -> bytes (K/M/G are powers of 1024)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    number, scale = (t[:-1], {"K": 2**10, "M": 2**20, "G": 2**30}[t[-1]]) if t[-1:] in ("K", "M", "G") else (t, 1)
-    if not number.isdigit() or int(number) * scale < 4 or int(number) * scale % 4:
-        raise ValueError(f"size '{text}' is not a whole number of float32 values (like 1M, 64K, 1G)")
-    return int(number) * scale
-
-
-def size_label(nbytes):
-    units = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-    return next((f"{nbytes / s:g} {u}" for u, s in units if nbytes >= s), f"{nbytes} B")
-
-
-def allreduce_worker(rank, world, device, args):
-    """ms per all-reduce of each size: the slowest rank's (a collective ends when its last rank
-    does), median of the runs (it resists stray slow ones)."""
-    rows = []
-    for nbytes in args.sizes:
-        x = torch.full((nbytes // 4,), float(rank + 1), device=device)
-        dist.all_reduce(x)  # doubles as a warm-up and a check that the sum is right
-        if x[0].item() != world * (world + 1) / 2:
-            raise RuntimeError(f"all-reduce returned {x[0].item()}, expected {world * (world + 1) / 2}")
-        times = []
-        for _ in range(args.warmup + args.reps):
-            dist.barrier()  # start together, or a late rank's delay is timed as transfer
-            synchronize(device)
-            start = clock(device)
-            dist.all_reduce(x)
-            times.append(elapsed_ms(start, clock(device)))
-        rows.append([world, nbytes, statistics.median(max(run) for run in zip(*gather(times[args.warmup:])))])
-        del x
-    return rows
-
-
-def run_allreduce(args, gpu):
-    args.warmup = 5 if args.warmup is None else args.warmup
-    try:
-        args.sizes = [parse_size(s) for s in (args.sizes or ("1M,10M,100M,1G" if gpu else "4K,64K,1M")).split(",")]
-    except ValueError as e:
-        fail(f"--sizes: {e}")
-    big, memory = max(args.sizes), torch.cuda.get_device_properties(0).total_memory if gpu else 0
-    if gpu and big > 0.9 * memory:
-        fail(f"--sizes {size_label(big)}: the buffer does not fit in one {torch.cuda.get_device_name(0)} "
-             f"({gib(memory)} GiB)")
-    gpus = torch.cuda.device_count() if gpu else 2
-    worlds = [args.world] if args.world else [w for w in (2, 4, 6, 8) if w <= gpus] or [gpus]
-    for world in worlds:
-        check_launch(world, args.backend, 0 if gpu else 2 * big, f"an all-reduce of {size_label(big)}")
-    where = f"{torch.cuda.get_device_name()} GPUs, NCCL" if gpu else "CPU processes, gloo (no GPU: a smoke run)"
-    print(f"all-reduce of float32 on {where}, torch {torch.__version__}: median of {args.reps} runs after "
-          f"{args.warmup} warm-up, world {', '.join(map(str, worlds))}")
-    # nccl-tests' bus bandwidth: a rank sends and receives 2(n-1)/n of the buffer, so algbw x 2(n-1)/n
-    # compares across world sizes and with link speeds
-    rows = [[w, size_label(n), f"{ms:.3f}", f"{n / ms / 1e6:.3g}", f"{n / ms / 1e6 * 2 * (w - 1) / w:.3g}"]
-            for world in worlds for w, n, ms in launch(allreduce_worker, world, args.backend, args)]
-    print_table(["world", "size", "time (ms)", "algbw (GB/s)", "busbw (GB/s)"], rows)
-    print("algbw = bytes / time; busbw = algbw x 2(n-1)/n (nccl-tests' all-reduce definition); "
-          "time = slowest rank's, median of runs; GB = 1e9 bytes")
-    print(f"summary: all-reduce of {rows[-1][1]} on {rows[-1][0]} ranks takes {rows[-1][2]} ms, "
-          f"{rows[-1][4]} GB/s bus bandwidth")
-
-# takeaway: a collective costs a latency plus bytes over bandwidth; few large messages beat many small ones.
-
-# --- 6. benchmark: the same GPT step under every variant, interleaved in rounds
-
+# --- 5. benchmark: the same GPT step under every variant, interleaved in rounds
 LABELS = {"local": "local (no comm)", "torch": "torch DDP", "naive": "NaiveDDP", "flat": "FlatDDP",
           "overlap": "OverlapDDP", "bucket": "BucketDDP", "sharded": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP",
           "fsdp2": "torch FSDP2"}
-# what a variant keeps between steps, in fp32 weights (AdamW's moments are two): (whole, split over
-# the ranks). FlatDDP's flat copy only lives during its sync, but counts.
+# what a variant keeps between steps, in fp32 weights (AdamW's moments are two): (whole, split over the ranks)
 RESIDENT = {"local": (3, 0), "torch": (4, 0), "naive": (3, 0), "flat": (4, 0), "overlap": (3, 0), "bucket": (4, 0),
             "sharded": (2, 2), "zero2": (1, 3), "fsdp": (0, 4), "fsdp2": (0, 4)}
 # key:bf16 is what torch DDP, BucketDDP and ZeRO send, and what FSDP gathers and computes with
 VARIANTS = [k + d for k in LABELS
             for d in ("", ":fp32", ":bf16")[:3 if k in ("torch", "bucket", "sharded", "zero2", "fsdp") else 2]]
 
-
 def make_step(key, bf16, args, rank, device, marks):
-    """One training step of GPT under one variant. Each step appends to marks a clock() before it
-    and after each phase: forward, backward, waiting for the gradients' communication, optimizer."""
+    """One GPT training step under one variant; it appends to marks a clock() at the start and after each phase."""
     torch.manual_seed(rank)
     with torch.device(device):
         model = wrapped = GPT(make_config(args.model, vocab_size=args.vocab))
@@ -653,14 +518,10 @@ def make_step(key, bf16, args, rank, device, marks):
     optimizer = configure_optimizer(model, lr=3e-4)
     if key in ("sharded", "zero2"):  # the same AdamW (groups, betas), its state sharded
         groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
-        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95),
-                                     fused=device.type == "cuda")
-    # random tokens, different on every rank as in real data parallelism: speed does not depend on
-    # what the tokens say, and this skips the tokenizer
+        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     tokens = torch.randint(50257, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1000 + rank))
-    x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)  # random: speed does not depend on what they say
     sync = getattr(wrapped, "finish_gradient_synchronization", lambda: None)  # torch's syncs inside backward
-
     def step():
         t = [clock(device)]
         with autocast(device, torch.bfloat16 if device.type == "cuda" else None):
@@ -671,16 +532,13 @@ def make_step(key, bf16, args, rank, device, marks):
         sync()
         t.append(clock(device))
         optimizer.step()
-        # BucketDDP's gradients are views into its buckets: zeroing them in place lets autograd add
-        # straight into them. The others drop theirs: memory for the other variants of the round.
+        # BucketDDP's gradients are views into its buckets, zeroed in place; the others free theirs for the round
         optimizer.zero_grad(set_to_none=key not in ("bucket", "sharded"))
         marks.append(t + [clock(device)])
     return step
 
-
 def memory_groups(rows, config, args, world, weights):
-    """The rows in groups whose models fit on one GPU together (on the CPU one group), each group
-    with the torch DDP and no-comm rows to pair with."""
+    """The rows in groups that fit on one GPU together (CPU: one group), each with the torch DDP and no-comm rows."""
     shared = [r for r in rows if r[1] in ("torch", "local") and not r[2]]
     groups, rest = [], [r for r in rows if r not in shared]
     if args.backend != "nccl" or not rest:
@@ -695,11 +553,8 @@ def memory_groups(rows, config, args, world, weights):
         groups[-1].append(row)
     return groups
 
-
 def time_group(group, results, args, rank, device):
-    """Each variant of the group built and warmed up by gpt.time_rounds (its peak memory: the
-    timer's peak less what the others already held), those out of memory on any rank dropped on
-    all of them, the rest timed interleaved; the phase split from the clocks of the timed steps."""
+    """Warm up each variant (peak: the timer's less the others'), drop any out of memory on a rank, time the rest."""
     cuda, local, base = device.type == "cuda", LABELS["local"], LABELS["torch"]
     marks = {label: [] for label, _, _ in group}
     steps = {label: lazily(partial(make_step, key, bf16, args, rank, device, marks[label]), device)
@@ -709,19 +564,13 @@ def time_group(group, results, args, rank, device):
     steps = {label: step for (label, step), ok in zip(steps.items(), fits) if ok}
     results.update({label: {"oom": True} for label, _, _ in group if label not in steps and label not in results})
     free_memory()  # (a variant out of memory on another rank lets go of its model here)
-
-    def sync():  # every rank finishes a round before any starts the next
-        synchronize(device)
-        dist.barrier()
-
-    for label in marks:
-        marks[label].clear()  # (the warm-up's)
+    sync = lambda: (synchronize(device), dist.barrier())  # noqa: E731 (all ranks end a round before any goes on)
     every = gather(time_rounds(steps, device, args.rounds, args.steps, warmup=0, sync=sync)[0])
     times = {label: [max(r[label][i] for r in every) for i in range(args.rounds)] for label in steps}  # slowest rank
     timings = summarize(times, baseline=base if base in times else None)
-    # each phase's median over the timed steps on each rank, and each variant's own peak
     split = gather({label: [statistics.median(ms) for ms in zip(*[[elapsed_ms(a, b) for a, b in zip(t, t[1:])]
-                                                                  for t in marks[label]])] for label in steps})
+                                                                  for t in marks[label][args.warmup:]])]
+                    for label in steps})
     own = gather({label: peaks[label] - steps[label].state["others"] for label in steps} if cuda else {})
     for label in steps:
         exposed = [a - b for a, b in zip(times[label], times[local])] if local in times else None
@@ -729,23 +578,20 @@ def time_group(group, results, args, rank, device):
             "oom": False, "timing": vars(timings[label]), "peak": max(r[label] for r in own) if cuda else None,
             "phases": [statistics.fmean(ms) for ms in zip(*(r[label] for r in split))],  # mean over ranks
             "exposed": statistics.median(exposed) if exposed else None})
-    return timings[base].median if base in timings else None
-
 
 def benchmark_worker(rank, world, device, args):
-    """{label: result} of every group's rows, and torch DDP's median in each group."""
+    """{label: result} of every group's rows."""
     set_tf32(True)
-    results, baselines = {}, []
+    results = {}
     for g, group in enumerate(args.groups):
         if rank == 0:
             print(f"  group {g + 1} of {len(args.groups)}: {', '.join(label for label, _, _ in group)}", flush=True)
-        baselines.append(time_group(group, results, args, rank, device))
+        time_group(group, results, args, rank, device)
         free_memory()  # the group's models are gone with time_group's frame
-    return {"rows": results, "baselines": [b for b in baselines if b]}
+    return results
 
-
-def print_benchmark(out, args, world):
-    rows, base = out["rows"], out["rows"].get(LABELS["torch"], {})
+def print_benchmark(rows, args, world):
+    base = rows.get(LABELS["torch"], {})
     vs = lambda r: f" ({r['peak'] / base['peak']:.2f}x)" if r.get("peak") and base.get("peak") else ""  # noqa: E731
     print_table(["variant", "step ms", "vs torch DDP (paired)", "exposed comm ms", "fwd ms", "bwd ms", "wait ms",
                  "optim ms", "peak GiB (vs torch DDP)"],
@@ -754,13 +600,9 @@ def print_benchmark(out, args, world):
                   "-" if r["exposed"] is None or label == LABELS["local"] else f"{r['exposed']:.1f}",
                   *(f"{ms:.1f}" for ms in r["phases"]), "n/a" if r["peak"] is None else gib(r["peak"]) + vs(r)]
                  for label, r in rows.items()])
-    spread = out["baselines"]  # torch DDP's median in each group
-    groups = (f". {len(args.groups)} groups to fit in memory: torch DDP {min(spread):.1f}-{max(spread):.1f} ms "
-              "across them" if len(spread) > 1 else "")
-    print(f"step: median (min-max) over {args.rounds} rounds of {args.steps} steps, a round's time the slowest rank's; "
-          "ratios paired within rounds. exposed comm: median of (step - no-comm step). fwd/bwd/wait/optim: medians "
-          "over the timed steps, mean over ranks (torch DDP and FSDP2 wait inside bwd). peak: allocated, the "
-          "variant's own, largest rank" + groups)
+    print(f"step: median (min-max) over {args.rounds} rounds of {args.steps} steps, the slowest rank's; ratios paired "
+          "in rounds. exposed comm: median of (step - no-comm step). fwd/bwd/wait/optim: medians, mean over ranks "
+          "(torch DDP and FSDP2 wait inside bwd). peak: allocated, the variant's own, largest rank")
     done = {label: r for label, r in rows.items() if not r["oom"]}
     if args.plot:
         fig, ax = plot_to(args.plot).subplots(figsize=(8, 1 + 0.4 * len(done)))
@@ -777,8 +619,7 @@ def print_benchmark(out, args, world):
              if r["timing"]["ratio"] and label != LABELS["torch"]]
     print("summary: step (memory) vs torch DDP's: " + ("; ".join(parts) or "no torch DDP row to compare with"))
 
-
-def run_benchmark(args, gpu, world):
+def run_benchmark(args, gpu):
     for flag, on_gpu, on_cpu in (("model", "xl", "tiny"), ("batch", 4, 2), ("seq", 512, 32), ("rounds", 30, 2),
                                  ("warmup", 3, 1)):
         setattr(args, flag, getattr(args, flag) or (on_gpu if gpu else on_cpu))
@@ -799,28 +640,24 @@ def run_benchmark(args, gpu, world):
             for k, _, d in (v.partition(":") for v in variants) if not (k == "torch" and d == "bf16" and not gpu)]
     with torch.device("meta"):
         weights = 4 * GPT(config).num_params()
-    # on the CPU all the variants live in each rank's memory at once; a GPU holds them itself
-    held = 0 if gpu else int(weights * (1 + sum(sum(RESIDENT[k]) for _, k, _ in rows)))
-    check_launch(world, args.backend, held, f"the benchmark of GPT {args.model}")
-    args.groups = memory_groups(rows, config, args, world, weights)
+    held = 0 if gpu else int(weights * (1 + sum(sum(RESIDENT[k]) for _, k, _ in rows)))  # CPU: all in host memory
+    check_launch(args.world, args.backend, held, f"the benchmark of GPT {args.model}")
+    args.groups = memory_groups(rows, config, args, args.world, weights)
     print(f"data-parallel GPT {args.model} ({weights / 4e6:.0f}M parameters) on "
-          + (f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast" if gpu else
-             f"{world} CPU processes over gloo, fp32 (no GPU: a smoke run, not a measurement)")
+          + (f"{args.world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast" if gpu else
+             f"{args.world} CPU processes over gloo, fp32 (no GPU: a smoke run, not a measurement)")
           + f", torch {torch.__version__}: B={args.batch} per rank, T={args.seq}, AdamW; {args.rounds} rounds of "
           f"{args.steps} steps per variant after {args.warmup} warm-up")
-    print_benchmark(launch(benchmark_worker, world, args.backend, args), args, world)
+    print_benchmark(launch(benchmark_worker, args.world, args.backend, args), args, args.world)
 
 # takeaway: interleaved rounds beside a no-comm row show what communication costs a step, phase by phase.
 
-# --- 7. launching the ranks, and the command line
-
-
+# --- 6. launching the ranks, and the command line
 def gather(obj):
     """obj from every rank, as a list indexed by rank."""
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
 
 def run_rank(rank, world, backend, worker, args, tmp):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: the parent stops them all
@@ -839,13 +676,9 @@ def run_rank(rank, world, backend, worker, args, tmp):
     if rank == 0:
         torch.save(result, f"{tmp}/result.pt")
 
-
 def launch(worker, world, backend, args):
-    """worker(rank, world, device, args) on every rank; rank 0's result. The ranks are forked on a
-    machine without CUDA (they inherit the imported torch: fast) and spawned where CUDA exists, even
-    for gloo ranks: once this process has asked the driver anything (is_available does), a forked
-    child's first CUDA call fails, and torch's optimizers make one in every step. They meet in a
-    file store, and rank 0 hands its result back in a file beside it."""
+    """worker(rank, world, device, args) on every rank; rank 0's result, via a file. Forked ranks start fast, but
+    where CUDA exists they are spawned: once this process has asked the driver anything, a fork's CUDA fails."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # no line per rank stopped
     with tempfile.TemporaryDirectory() as tmp:
         method = "spawn" if backend == "nccl" or torch.cuda.is_available() else "fork"
@@ -868,67 +701,54 @@ def launch(worker, world, backend, args):
             sys.exit(e.exit_code or 1)
         return torch.load(f"{tmp}/result.pt")
 
-
 def check_launch(world, backend, rank_bytes, what):
     """Exit 2 with one sentence before starting ranks this machine cannot hold."""
     if backend == "nccl" and world > torch.cuda.device_count():
         fail(f"--world {world} is more than the {torch.cuda.device_count()} GPUs on this machine")
-    # a spawned GPU rank imports torch and makes a CUDA context (~2 GiB of host memory); a forked
-    # CPU rank shares the parent's torch but holds its own models
+    # a spawned GPU rank imports torch and makes a CUDA context (~2 GiB of host memory); a forked CPU rank does not
     need = world * (rank_bytes + (2**31 if backend == "nccl" else 2**28))
-    meminfo = open("/proc/meminfo").read() if os.path.exists("/proc/meminfo") else ""
-    free = next((int(ln.split()[1]) * 1024 for ln in meminfo.splitlines() if ln.startswith("MemAvailable:")), None)
+    meminfo = open("/proc/meminfo").read().splitlines() if os.path.exists("/proc/meminfo") else []
+    free = next((int(ln.split()[1]) * 1024 for ln in meminfo if ln.startswith("MemAvailable:")), None)
     if free is not None and need > free:
         fail(f"{what} on {world} ranks needs about {gib(need)} GiB of host memory; {gib(free)} GiB are free")
 
-
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="All-reduce bandwidth and data-parallel training: DDP, ZeRO, FSDP.")
+    parser = argparse.ArgumentParser(description="Data-parallel training written out: DDP, ZeRO, FSDP.")
     sub = parser.add_subparsers(dest="command", required=True)
-    ar = sub.add_parser("allreduce", help="all-reduce time and bandwidth table")
-    ar.add_argument("--sizes", help="float32 buffer sizes, K/M/G = 2^10/2^20/2^30 bytes "
-                                    "(default 1M,10M,100M,1G; 4K,64K,1M on CPU)")
-    ar.add_argument("--reps", type=int, default=20, help="timed runs per size (median reported)")
     bm = sub.add_parser("benchmark", help="a GPT training step under every variant, interleaved in rounds")
     bm.add_argument("--model", help="preset (default xl on GPU, tiny on CPU)")
     bm.add_argument("--batch", type=int, help="sequences per rank (default 4; 2 on CPU)")
     bm.add_argument("--seq", type=int, help="context length (default 512; 32 on CPU)")
     bm.add_argument("--vocab", type=int, default=50304, help="vocabulary, padded to a multiple of 128")
-    bm.add_argument("--rounds", type=int, help="interleaved rounds (default 30: with 8, paired ratios moved 12%% "
-                                               "between runs; 2 on CPU)")
+    bm.add_argument("--rounds", type=int, help="interleaved rounds (default 30, 2 on CPU: with 8, ratios moved 12%%)")
+    bm.add_argument("--warmup", type=int, help="untimed steps per variant first (default 3; 1 on CPU)")
+    bm.add_argument("--steps", type=int, default=2, help="steps per variant per round")
     bm.add_argument("--variants", default=",".join(v for v in VARIANTS if ":fp32" not in v),
                     help=f"comma-separated, from: {','.join(LABELS)}; key:bf16 sends (fsdp: computes with) bf16")
     bm.add_argument("--bucket-mb", type=float, default=25, help="bucket size for BucketDDP, ZeRO and torch DDP")
     bm.add_argument("--plot", help="save the step split per variant to this PNG (needs matplotlib)")
-    bm.add_argument("--steps", type=int, default=2, help="steps per variant per round")
     st = sub.add_parser("selftest", help="every wrapper against one process on the whole batch")
     st.add_argument("--steps", type=int, default=3, help="training steps compared")
-    for p in (ar, bm):
-        p.add_argument("--warmup", type=int, help="untimed runs first (default 5 per size; 3 steps a variant, CPU 1)")
-    for p in (ar, bm, st):
-        p.add_argument("--world", type=int, help="ranks (default 2; allreduce: 2,4,6,8 as GPUs allow)")
+    for p in (bm, st):
+        p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
         p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
         p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before the run fails")
     args = parser.parse_args(argv)
-
     gpu = args.backend == "nccl" or (args.backend is None and torch.cuda.is_available())
     args.backend = "nccl" if gpu else "gloo"
     if "RANK" in os.environ:
         fail("ddp.py starts its own ranks, one per GPU: run it with python, not torchrun")
     if gpu and not torch.cuda.is_available():
         fail("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo")
-    for flag, least in (("reps", 1), ("steps", 1), ("batch", 1), ("seq", 1), ("rounds", 1), ("timeout", 1),
-                        ("vocab", 1), ("warmup", int(args.command == "benchmark")), ("bucket_mb", 0.001), ("world", 1)):
-        if isinstance(getattr(args, flag, None), (int, float)) and getattr(args, flag) < least:
-            fail(f"--{flag.replace('_', '-')} must be at least {least:g}, got {getattr(args, flag):g}")
-    if args.command == "allreduce":
-        return run_allreduce(args, gpu)
+    for flag in ("world", "steps", "batch", "seq", "rounds", "warmup", "vocab", "timeout", "bucket_mb"):
+        least = 0.001 if flag == "bucket_mb" else 1
+        if (value := getattr(args, flag, None)) is not None and value < least:
+            fail(f"--{flag.replace('_', '-')} must be at least {least:g}, got {value:g}")
     if args.command == "selftest":
-        return run_selftest(args, args.world or 2)
-    run_benchmark(args, gpu, args.world or 2)
+        return run_selftest(args)
+    run_benchmark(args, gpu)
 
 # takeaway: the parent starts a process per rank and stops them all; a killed or failing rank is one clear line.
-
 
 if __name__ == "__main__":
     run_main(main)  # Ctrl-C / SIGTERM: one line, exit 130 / 143
