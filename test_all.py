@@ -15,24 +15,20 @@ import bench_attention as ba, bench_e2e, ddp, gpt, memory, precision, train  # n
 
 HAS_CUDA = torch.cuda.is_available()
 
-def gpu(test):
-    """Mark a test as needing CUDA: skipped (and reported as such) on a CPU machine."""
+def gpu(test):  # marks a test as needing CUDA: skipped (and reported as such) on a CPU machine
     test.needs_cuda = True
-    if not HAS_CUDA and "pytest" in sys.modules:
-        import pytest
-        return pytest.mark.skip(reason="needs CUDA")(test)
-    return test
+    skip = not HAS_CUDA and "pytest" in sys.modules
+    return __import__("pytest").mark.skip(reason="needs CUDA")(test) if skip else test
 
 def env(**extra):  # unbuffered: a child's lines arrive as it prints them
     return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
 
-def run(*args, timeout=600, **extra_env):
-    """`python args...` in a fresh process (torchrun, TRITON_INTERPRET, a memory cap), which must exit 0."""
-    proc = subprocess.run([sys.executable, *map(str, args)], cwd=HERE, env=env(**extra_env), capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, \
-        f"{' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
+def run(*args, timeout=600, **extra_env):  # `python args...` in a fresh process (torchrun, TRITON_INTERPRET): exit 0
+    p = subprocess.run([sys.executable, *map(str, args)], cwd=HERE, env=env(**extra_env), capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, \
+        f"{' '.join(map(str, args))} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p
 
 def popen(*args, **kw):  # `python args...`, its stdout read line by line as it comes
     return subprocess.Popen([sys.executable, *map(str, args)], cwd=HERE, text=True, stdout=subprocess.PIPE,
@@ -41,8 +37,7 @@ def popen(*args, **kw):  # `python args...`, its stdout read line by line as it 
 def children(pid):
     return open(f"/proc/{pid}/task/{pid}/children").read().split()
 
-def call_main(script, *args):
-    """script.main(args) in this process, a bad-input case in milliseconds: (exit status, stdout, stderr)."""
+def call_main(script, *args):  # script.main(args) in this process, in milliseconds: (exit status, stdout, stderr)
     out, err, code = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -57,9 +52,9 @@ def main_ok(script, *args):  # call_main, which must exit 0: (stdout, stderr)
     return out, err
 
 def check_bad_inputs(script, cases):
-    """Each (args, words) case (args: a list or a shell string) exits 2 with `words` in its last stderr line."""
+    """Each case args -> words (a dict or pairs; args a string or a list) exits 2, `words` in its last stderr line."""
     failures = []
-    for args, says in cases:
+    for args, says in cases.items() if isinstance(cases, dict) else cases:
         args = shlex.split(args) if isinstance(args, str) else args
         try:
             code, out, err = call_main(script, *args)
@@ -81,7 +76,6 @@ def assert_raises(says, fn, *args, **kw):  # fn(*args, **kw) raises a ValueError
         assert says in str(e), (says, str(e))
     else:
         raise AssertionError(f"no error from {fn.__name__}; expected '{says}'")
-
 
 # --- 1. gpt.py: presets, tokenizer, padding, attention, fused loss, FP8, the timer
 
@@ -110,9 +104,8 @@ def test_forward_shapes_and_initial_loss():
     model.config.fused_ce = False  # with targets the loss carries the graph, the logits come back detached
     logits, loss = model(idx, targets)
     assert loss.requires_grad and not logits.requires_grad and model(idx)[1] is None
-    for name, p in model.named_parameters():  # residual projections get the scaled init
-        if name.endswith("c_proj.weight"):
-            assert abs(p.std().item() - 0.02 / math.sqrt(2 * config.n_layer)) < 0.003, name
+    for name, p in ((n, p) for n, p in model.named_parameters() if n.endswith("c_proj.weight")):  # scaled init
+        assert abs(p.std().item() - 0.02 / math.sqrt(2 * config.n_layer)) < 0.003, name
 
 def test_tokenizer_offline_count_and_round_trip():
     enc, text = gpt.gpt2_tokenizer(), open(os.path.join(HERE, "input.txt"), encoding="utf-8").read()
@@ -153,8 +146,7 @@ def test_cross_entropy_kernel_matches_torch():
     assert "kernel ok" in run("-c", r"""
 import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
 gen = torch.Generator().manual_seed(0)
-logits = 4 * torch.randn(5, 50304, generator=gen)
-y = torch.randint(0, gpt.GPT2_VOCAB, (5,), generator=gen)
+logits, y = 4 * torch.randn(5, 50304, generator=gen), torch.randint(0, gpt.GPT2_VOCAB, (5,), generator=gen)
 a, b, loss_b = logits.clone(), logits.clone(), torch.empty(5)
 loss_a = gpt.chunk_loss_and_grad(a, y, gpt.GPT2_VOCAB)
 gpt._cross_entropy_rows[(5,)](b, y, loss_b, b.stride(0), gpt.GPT2_VOCAB, 50304, BLOCK=4096)
@@ -205,11 +197,7 @@ def test_config_and_device_errors():
 def test_timer_interleaves_and_pairs():
     """Every variant runs in every round, the order rotating; per-round paired ratios read twice the work as ~2x."""
     calls = []
-
-    def step(name, n):
-        calls.append(name)
-        torch.ones(n, n) @ torch.ones(n, n)
-
+    step = lambda name, n: calls.append(name) or torch.ones(n, n) @ torch.ones(n, n)  # noqa: E731
     work = {"a": functools.partial(step, "a", 160), "b": functools.partial(step, "b", 202)}  # 202^3 / 160^3 = 2.0
     times, peaks = gpt.time_rounds(work, "cpu", rounds=6, steps=2, warmup=1)
     assert [len(t) for t in times.values()] == [6, 6] and peaks == {"a": None, "b": None}
@@ -235,7 +223,6 @@ def test_fp8_linear_matches_bf16():
             y.backward(dy)
             outs.append((y.float(), x.grad.float(), layer.weight.grad.float()))
         assert all(rel_err(got, ref) < 0.1 for ref, got in zip(*outs)), (d_in, d_out)
-
 
 # --- 2. train.py: learning, checkpoints, FSDP and DDP, interrupts, bad input
 
@@ -345,7 +332,6 @@ def test_fused_clipping_matches_clip_grad_norm():
             clip(model, optimizer)
             optimizer.step()
         return torch.cat([p.detach().flatten() for p in model.parameters()])
-
     ref = params_after(lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
     for fused in (True, False):
         ours = params_after(lambda m, o: train.clip_gradients(m, o, 1.0), fused)
@@ -386,9 +372,8 @@ def test_train_bad_input_and_checkpoints():
             **{f"--{f} -1": f"--{f} cannot be negative"
                for f in ("warmup", "grad-clip", "weight-decay", "sample", "fp8")},
             **({} if HAS_CUDA else {"--fp16": "needs a CUDA GPU", "--device cuda": "no CUDA GPU",
-                                    "--fp8 0 --bf16": "FP8 tensor"})}.items())
+                                    "--fp8 0 --bf16": "FP8 tensor"})})
         assert open(os.path.join(HERE, "input.txt"), "rb").read() == text  # --ckpt input.txt left it alone
-
         def full_disk(obj, path):  # the write fails halfway
             open(path, "wb").write(b"partial")
             raise OSError(28, "No space left on device")
@@ -397,8 +382,7 @@ def test_train_bad_input_and_checkpoints():
         assert code == 2 and "could not write the checkpoint" in err and "No space left" in err, err
         assert not os.path.exists(f"{tmp}/ok.pt.tmp") and torch.load(f"{tmp}/ok.pt", weights_only=True)["step"] == 1
         before = open(f"{tmp}/ok.pt", "rb").read()  # a run without --resume leaves it alone, byte for byte
-        code = call_main("train.py", *ok)[0]
-        assert code == 2 and open(f"{tmp}/ok.pt", "rb").read() == before
+        assert call_main("train.py", *ok)[0] == 2 and open(f"{tmp}/ok.pt", "rb").read() == before
         losses, out = train_main(*ok, "--resume", "--bf16")  # a change of precision is said
         assert "was trained in fp32; this run continues in bf16" in out and len(losses) == 1, out
 
@@ -422,7 +406,6 @@ def test_train_gpu_recompute_fp8_fused_ce_compile():
     torch.testing.assert_close(step_values(compiled, "norm"), step_values(eager, "norm"), rtol=0.05, atol=0)
     fp16 = train_main(*tiny, "--fp16")[0]
     assert len(fp16) == 8 and fp16[-1] < fp16[0] - 1, fp16
-
 
 # --- 3. bench_attention.py: sweep through the timer, saved-bytes model, script and plot, OOM, bad input
 
@@ -459,14 +442,12 @@ def test_bench_attention_bad_input():
 
 @gpu
 def test_bench_attention_oom_row_then_next_runs():
-    # 2% of an 80 GB GPU is 1.6 GiB; naive at S=16384 keeps an 8x16384x16384 bf16 matrix (4 GiB). A fresh
-    # process: the memory cap would otherwise stay on this one.
+    # naive at S=16384 keeps 4 GiB (8x16384x16384 bf16) > 2% of 80 GB; a fresh process: the cap stays there
     out = run("bench_attention.py", "--memory-fraction", "0.02", "--impl", "naive,flash", "--d", "64",
               "--seq", "16384,1024", "--rounds", "2", "--steps", "1", "--warmup", "1").stdout
     rows = [line.split() for line in out.splitlines() if line.startswith("64 ")]
     assert ["64", "16384", "OOM"] == rows[0][:3] and rows[1][:2] == ["64", "1024"] and rows[1][2] != "OOM", out
     assert "first naive OOM, worked through" in out, out
-
 
 # --- 4. precision.py: IEEE accumulation, autocast capture, LayerNorm overflow, FP8 scaling
 
@@ -502,8 +483,7 @@ def test_precision_cpu_accumulate_autocast_layernorm_fp8():
     (tensor_err, tensor_low), (row_err, row_low) = round_trip(rows, E4M3), round_trip(rows, E4M3, True)
     assert row_err == 0 < tensor_err and row_low < tensor_low, (tensor_err, row_err, tensor_low, row_low)
     t = torch.randn(64, 96) * torch.logspace(-3, 3, 64)[:, None]  # against the computation written out
-    s = 448 / t.abs().max()
-    direct = ((t * s).to(E4M3).float() / s - t).norm() / t.norm()
+    direct = ((t * (s := 448 / t.abs().max())).to(E4M3).float() / s - t).norm() / t.norm()
     assert abs(round_trip(t, E4M3)[0] - direct.item()) < 1e-6 * direct.item()
     got = precision.capture_linear_tensors("tiny", 1, 16, torch.device("cpu"))  # hooks see (softmax - onehot) / N
     assert len(got) == 10 and got["lm_head output grad"].shape == (16, 50257), list(got)
@@ -524,18 +504,15 @@ def test_precision_gpu_sections_and_fp8_gemms():
     assert "autocast fp16 on cuda" in out and "skipped: needs CUDA" not in out and "OOM" not in out, out
     assert out.count("takeaway") >= 5 and "GradScaler" in out, out
     if gpt.fp8_supported("cuda"):  # every FP8 GEMM variant against bf16, within e4m3's few-percent rounding
-        ops = precision.gemm_variants(256, 128, 512, torch.device("cuda"))
-        ref = ops["bf16"]().float()
+        ref = (ops := precision.gemm_variants(256, 128, 512, torch.device("cuda")))["bf16"]().float()
         assert all(rel_err(op().float(), ref) < 0.1 for op in ops.values())
-
 
 # --- 5. bench_e2e.py: ladder, sweep, output GEMMs, profile, bad input
 
 def sweep(device, **kw):  # bench_e2e.run_sweep of the tiny model: (times, stats) by (vocab, batch, seq, mode)
-    args = types.SimpleNamespace(**{"vocab": [50257], "batch": [1, 2], "seq": [16], "modes": bench_e2e.MODES,
-                                    "tf32": False, "dtype": None, "attn": "sdpa", "compile": False, "rounds": 2,
-                                    "steps": 1, "warmup": 1, **kw})
-    return bench_e2e.run_sweep(args, [("tiny", gpt.make_config("tiny"))], device)[0][1:]
+    args = {**dict(vocab=[50257], batch=[1, 2], seq=[16], modes=bench_e2e.MODES, tf32=False, dtype=None, attn="sdpa",
+                   compile=False, rounds=2, steps=1, warmup=1), **kw}
+    return bench_e2e.run_sweep(types.SimpleNamespace(**args), [("tiny", gpt.make_config("tiny"))], device)[0][1:]
 
 def rung_losses(config, x, y, device):  # every rung that runs here trains the same model: same seed, batch, loss
     return [bench_e2e.run_step("train", bench_e2e.build(config, s, device), x, y).item()
@@ -582,23 +559,20 @@ def test_bench_e2e_sweep_numbers_profile_cpu_run():
     assert bench_e2e.starts_with(b"{")(trace) and json.load(open(trace))["traceEvents"]  # ours: may be overwritten
 
 def test_bench_e2e_bad_input():
-    d = tempfile.mkdtemp()
-    check_bad_inputs("bench_e2e.py", [
-        ("--model huge", "unknown model"), ("--model tiny --seq 1000", "at most 256"),
-        *[(f"--{flag} 0", f"--{flag} must be at least 1") for flag in ("batch", "rounds", "steps", "warmup")],
-        ("--batch 2,x", "integers separated by commas"), ("--vocab 50000", "--vocab must be at least 50257"),
-        ("--mode backward", "invalid choice"), ("--bf16 --fp16", "exclusive"),
-        ("--device cpu --fp16", "needs a CUDA GPU"), ("--device cpu --attn triton", "needs a CUDA"),
-        ("--device banana", "not a device"), ("--device cuda:7", "--device cuda:7"),
-        (["--trace", os.path.join(d, "missing", "t.json")], "does not exist"), (["--trace", d], "is a directory"),
-        (["--trace", os.path.join(HERE, "input.txt")], "refusing to overwrite"),
-        (["--plot", os.path.join(d, "p.png")], "add --ladder"), ("--ladder --batch 1,2", "one --batch"),
-        (["--ladder", "--plot", os.path.join(d, "missing", "p.png")], "does not exist"),
-        ("--ladder --bf16", "sets precision")])
+    d, j = tempfile.mkdtemp(), os.path.join
+    check_bad_inputs("bench_e2e.py", {
+        "--model huge": "unknown model", "--model tiny --seq 1000": "at most 256",
+        **{f"--{flag} 0": f"--{flag} must be at least 1" for flag in ("batch", "rounds", "steps", "warmup")},
+        "--batch 2,x": "integers separated by commas", "--vocab 50000": "--vocab must be at least 50257",
+        "--mode backward": "invalid choice", "--bf16 --fp16": "exclusive", "--device cpu --fp16": "needs a CUDA GPU",
+        "--device cpu --attn triton": "needs a CUDA", "--device banana": "not a device",
+        "--device cuda:7": "--device cuda:7", ("--trace", j(d, "missing", "t.json")): "does not exist",
+        ("--trace", d): "is a directory", ("--trace", j(HERE, "input.txt")): "refusing to overwrite",
+        ("--plot", j(d, "p.png")): "add --ladder", "--ladder --batch 1,2": "one --batch",
+        ("--ladder", "--plot", j(d, "missing", "p.png")): "does not exist", "--ladder --bf16": "sets precision"})
 
 NANOGPT_STAND_IN = """
-import dataclasses
-import gpt
+import dataclasses, gpt
 
 GPTConfig = dataclasses.make_dataclass("GPTConfig", [  # nanoGPT's names and defaults
     ("block_size", int, 1024), ("vocab_size", int, 50304), ("n_layer", int, 12), ("n_head", int, 12),
@@ -608,7 +582,6 @@ class GPT(gpt.GPT):  # nanoGPT's interface over our model with the plain loss
     def __init__(self, c):
         super().__init__(gpt.GPTConfig(c.n_layer, c.n_head, c.n_embd, 4 * c.n_embd, c.block_size, c.vocab_size,
                                        fused_ce=False))
-
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         print("using fused AdamW:", device_type == "cuda")
         return gpt.configure_optimizer(self, learning_rate, weight_decay, betas)
@@ -618,16 +591,15 @@ def test_bench_e2e_nanogpt_cpu():
     """--nanogpt times a nanoGPT-interface model.py and ours in paired rounds; a folder without model.py is refused."""
     with tempfile.TemporaryDirectory() as tmp:
         open(os.path.join(tmp, "model.py"), "w").write(NANOGPT_STAND_IN)
-        out, err = main_ok("bench_e2e.py", "--nanogpt", tmp, "--device", "cpu", "--batch", 1, "--seq", 16,
-                           "--rounds", 2)
+        out, err = main_ok("bench_e2e.py", "--nanogpt", tmp, *"--device cpu --batch 1 --seq 16 --rounds 2".split())
         assert "using fused AdamW: False" in err and "using fused" not in out, out + err
         rows = {line[:32].strip(): line for line in out.splitlines() if line.startswith(("nanoGPT model", "ours, "))}
         assert list(rows) == ["nanoGPT model.py", "ours, plain loss (--no-fused-ce)", "ours, the headline"], out
         assert all(rows[n].count("x (") == 1 for n in list(rows)[1:]) and "x (" not in rows["nanoGPT model.py"], out
         assert out.strip().splitlines()[-1].startswith("nanogpt: the headline makes "), out
         os.remove(os.path.join(tmp, "model.py"))
-        check_bad_inputs("bench_e2e.py", [(["--nanogpt", tmp], "no model.py there"),
-                                          (["--nanogpt", HERE, "--ladder"], "--nanogpt compares one")])
+        check_bad_inputs("bench_e2e.py", {("--nanogpt", tmp): "no model.py there",
+                                          ("--nanogpt", HERE, "--ladder"): "--nanogpt compares one"})
 
 @gpu
 def test_bench_e2e_gpu_ladder_peaks_oom():
@@ -641,37 +613,31 @@ def test_bench_e2e_gpu_ladder_peaks_oom():
     # 4M tokens' activations cannot fit: OOM cells. Two warm-up steps: the second has AdamW's state
     times, stats = sweep(cuda, batch=[4, 8, 16384], seq=[256], warmup=2)
     peak = {(b, m): stats[(50257, b, 256, m)].peak for b in (4, 8) for m in bench_e2e.MODES}
-    for b in (4, 8):  # every cell counts the weights and AdamW's state; with the fused loss the tiny model's
-        # peak is the loss chunk's logits, inside the forward, so the three may be equal
+    for b in (4, 8):  # weights and AdamW's state in every cell; the fused loss peaks inside the forward: all may tie
         assert peak[(b, "train")] >= peak[(b, "forward-backward")] >= peak[(b, "forward")] > 0, peak
     assert all(peak[(8, m)] > peak[(4, m)] for m in bench_e2e.MODES), peak
     assert all(stats[(50257, 16384, 256, m)] is None for m in bench_e2e.MODES)
     check_bad_inputs("bench_e2e.py", [("--model tiny --batch 16384 --seq 256 --mode forward --rounds 1 --profile",
                                        "out of GPU memory in the profiled configuration")])
 
-
 # --- 6. memory.py: the model against live tensors (one process, DDP and FSDP ranks); parallel; bad input
 
 def test_memory_account_exact_on_cpu():
     """memory.account = live tensors counted op by op: state, saved, phase and per-block peaks, in 11 layouts."""
     # a block's stretch is cut at LayerNorm backwards (under FSDP it starts with the block above's last op, which holds
-    # its unreduced gradients). Left to the GPU test: the CUDA allocator, NCCL, fp32 LayerNorm under autocast, the
-    # Triton loss kernel
+    # its unreduced gradients). GPU-only: the CUDA allocator, NCCL, fp32 LayerNorm under autocast, the Triton loss
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
     def no_comm(_, bucket):  # the fake group's all-reduce returns no tensor; NCCL's works in place
         (done := torch.futures.Future()).set_result(bucket.buffer())
         return done
-
     def wrap(model, how, dtype, k):
         if how == "fsdp":  # the one FSDP2 setup, as train.py and ddp.py use it
             return gpt.fully_shard_gpt(model, dtype)
         if how == "ddp":
             (model := DistributedDataParallel(model)).register_comm_hook(None, no_comm)
         return memory.grouped_forward(model, k) if k else model
-
     bf16, default, seen = torch.bfloat16, gpt.CE_CHUNK_ROWS, set()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -734,30 +700,27 @@ def test_memory_parallel_rows_and_max_batch():
 def test_memory_bad_input():
     with tempfile.TemporaryDirectory() as d:
         open(theirs := os.path.join(d, "theirs.pickle"), "w").write("not ours")
-        check_bad_inputs("memory.py", [
-            ("nonsense", "unknown part"), ("account --model huge", "unknown model"), ("account --seq 4096", "block"),
-            ("account --device banana", "not a device"), ("account --device cuda:7", "cuda"),
-            ("account --batch 0", "positive"), ("account --vocab 100", "vocab"),
-            ("account --model tiny --recompute 9", "recompute"), ("account --fsdp --ddp", "exclude"),
-            ("account --fsdp --world 1", "--world"), ("account --compile --device cpu", "--compile"),
-            ("checkpoint --recompute 1", "recompute"), ("parallel --fsdp", "apply to account"),
-            ("account --sweep --fsdp", "--sweep"), ("parallel --device-gb 0", "device-gb"),
-            ("parallel --act-gb -1", "act"), ("checkpoint --rounds 0", "positive"),
-            ("parallel --params -5", "positive"),
-            ("snapshot --out a", ".pickle"), ("snapshot --device cpu", "needs a CUDA GPU"),
-            ("account --attn cudnn --device cpu", "needs a CUDA GPU"),
-            ("account --batch 100000 --device cpu", "of this machine's memory"),  # refused, not OOM-killed
-            (["snapshot", "--out", theirs], "not a file this script wrote"),
-            (["snapshot", "--out", os.path.join(d, "missing", "s.pickle")], "does not exist")])
+        check_bad_inputs("memory.py", {
+            "nonsense": "unknown part", "account --model huge": "unknown model", "account --seq 4096": "block",
+            "account --device banana": "not a device", "account --device cuda:7": "cuda",
+            "account --batch 0": "positive", "account --vocab 100": "vocab",
+            "account --model tiny --recompute 9": "recompute", "account --fsdp --ddp": "exclude",
+            "account --fsdp --world 1": "--world", "account --compile --device cpu": "--compile",
+            "checkpoint --recompute 1": "recompute", "parallel --fsdp": "apply to account",
+            "account --sweep --fsdp": "--sweep", "parallel --device-gb 0": "device-gb", "parallel --act-gb -1": "act",
+            "checkpoint --rounds 0": "positive", "parallel --params -5": "positive", "snapshot --out a": ".pickle",
+            "snapshot --device cpu": "needs a CUDA GPU", "account --attn cudnn --device cpu": "needs a CUDA GPU",
+            ("snapshot", "--out", theirs): "not a file this script wrote",
+            ("snapshot", "--out", os.path.join(d, "missing", "s.pickle")): "does not exist",
+            "account --batch 100000 --device cpu": "of this machine's memory"})  # the last: refused, not OOM-killed
 
 @gpu
 def test_memory_on_the_gpu():
     """Predicted peak within 10% of max_memory_allocated; a snapshot is written; a batch too big names one that fits."""
-    for fused in (True, False):
-        for dtype in (None, torch.bfloat16):
-            cfg = gpt.make_config("gpt2", fused_ce=fused)
-            measured = max(memory.measure_step(cfg, 8, 512, dtype, torch.device("cuda", 0)).values())
-            assert abs(memory.account(cfg, 8, 512, dtype)["peak"] / measured - 1) <= 0.10, (fused, dtype, measured)
+    for fused, dtype in ((fused, dtype) for fused in (True, False) for dtype in (None, torch.bfloat16)):
+        cfg = gpt.make_config("gpt2", fused_ce=fused)
+        measured = max(memory.measure_step(cfg, 8, 512, dtype, torch.device("cuda", 0)).values())
+        assert abs(memory.account(cfg, 8, 512, dtype)["peak"] / measured - 1) <= 0.10, (fused, dtype, measured)
     with tempfile.TemporaryDirectory() as d:
         snap = os.path.join(d, "s.pickle")
         code, out, err = call_main("memory.py", "snapshot", "--seq", 256, "--batch", 4, "--bf16", "--out", snap)
@@ -848,7 +811,6 @@ def test_ddp_gpu_selftest_and_benchmark():
 def flash_check(device, cases, shapes):
     """Both Functions against float64: O, the one saved fp32 logsumexp, gradients; the Triton backward bitwise twice."""
     import flash_triton as ft
-
     default = ft.TMA_HEAD_DIMS
     for tma_dims, dtype, tol in cases:
         ft.TMA_HEAD_DIMS = tma_dims  # tiles load through TMA descriptors at these head dims
@@ -878,18 +840,16 @@ def flash_check(device, cases, shapes):
     ft.TMA_HEAD_DIMS = default
 
 def flash_interpreted():
-    # head dims 16/32/64, ragged lengths, Nq != Nk, 3-, 4- and 5-D, causal and not; TMA loads (D128
-    # only by default) at every head dim too: the interpreter runs them as masked loads
+    # head dims 16/32/64, ragged lengths, Nq != Nk, 3-, 4- and 5-D, causal and not; TMA loads (D128 only by default)
+    # at every head dim too: the interpreter runs them as masked loads
     import flash_triton as ft
-
     flash_check("cpu", [((), torch.float32, 1e-5), ((), torch.float16, 5e-3), ((16, 32, 64), torch.float16, 5e-3)],
                 [((1, 2, 37, 16), (1, 2, 37, 16), True), ((2, 40, 32), (2, 100, 32), False),
                  ((1, 1, 100, 64), (1, 1, 100, 64), True), ((2, 1, 2, 33, 16), (2, 1, 2, 33, 16), False)])
     out, err = main_ok("flash_triton.py")  # without a GPU: the kernels against the PyTorch reference
     assert out.strip().endswith(": ok"), out + err
-    check_bad_inputs("flash_triton.py", [(a, a.split()[0]) for a in ("--shapes 1x16x1024", "--shapes 1x16x1024x48",
-                                                                       "--shapes 0x1x64x64", "--repeats 0",
-                                                                       "--plot /nonexistent/a.png")])
+    bad = ["--shapes 1x16x1024", "--shapes 1x16x1024x48", "--shapes 0x1x64x64", "--repeats 0"]
+    check_bad_inputs("flash_triton.py", [(a, a.split()[0]) for a in [*bad, "--plot /nonexistent/a.png"]])
     x = torch.randn(1, 2, 8, 16)
     for args, says in [((torch.randn(1, 2, 8, 48),) * 3, "head dim 48"), ((x, x.half(), x), "dtype"),
                        ((x, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), True), "causal"),
@@ -913,7 +873,6 @@ def test_flash_gpu_matches_reference(dtypes=(torch.float32, torch.float16, torch
 @gpu
 def test_flash_torch_compile():
     import flash_triton as ft
-
     for D in (64, 128):  # D128 loads through TMA descriptors
         q, k, v = (torch.randn(2, 4, 512, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         ours, ref = [(o, *torch.autograd.grad(o.float().square().sum(), (q, k, v))) for o in (
@@ -927,17 +886,15 @@ def test_flash_train_matches_sdpa():
         out = run("train.py", "--model", "tiny", "--steps", "8", "--batch", "4", "--seq", "128", "--bf16", "--device",
                   "cuda", "--attn", attn).stdout
         return [float(m[1]) for m in re.finditer(r"^step(?!.*val).*?\bloss[ :=]+([0-9.]+)", out, re.M)]
-
     with ThreadPoolExecutor(2) as pool:  # both processes at once
         ref, ours = pool.map(losses, ["sdpa", "triton"])
     assert ref and len(ours) == len(ref) and all(abs(a - b) < 0.05 * abs(b) + 0.02 for a, b in zip(ours, ref)), \
         (ours, ref)
 
-
 # --- 9. the repository: every script readable on a screen
 
-def test_line_lengths():
-    """No line over 120 characters in any tracked script."""
+def test_script_sizes():
+    """Every tracked script: no line over 120 characters, at most 650 lines (ddp.py 700, test_all.py 800)."""
     try:  # the tracked scripts; outside a git checkout, the folder's
         names = subprocess.run(["git", "ls-files", "*.py"], cwd=HERE, capture_output=True, text=True).stdout.split()
     except FileNotFoundError:
@@ -947,6 +904,8 @@ def test_line_lengths():
         lines = open(os.path.join(HERE, name), encoding="utf-8").read().splitlines()
         if long := [i for i, line in enumerate(lines, 1) if len(line) > 120]:
             bad.append(f"{name}: {len(long)} lines over 120 characters (line {', '.join(map(str, long[:5]))} ...)")
+        if len(lines) > (limit := {"ddp.py": 700, "test_all.py": 800}.get(name, 650)):
+            bad.append(f"{name}: {len(lines)} lines, over its limit of {limit}")
     assert not bad, "\n".join(bad)
 
 def run_isolated(name):
@@ -973,12 +932,10 @@ def main(argv=None):
         print("\n".join(f"  {n}{'  (CUDA)' if n in cuda else ''}" for n, _ in tests))
         return
     gpu_only, only = "--gpu-only" in argv, [a for a in argv if a != "--gpu-only"]
-    if unknown := [a for a in only if a.startswith("-")]:
-        print(f"error: unknown option {unknown[0]}; see python test_all.py --help", file=sys.stderr)
-        sys.exit(2)
     tests = [(n, f) for n, f in tests if (not only or any(s in n for s in only)) and (not gpu_only or n in cuda)]
-    if not tests:
-        print(f"error: no test matches {' '.join(only) or '--gpu-only'}; python test_all.py --help lists them",
+    if (unknown := [a for a in only if a.startswith("-")]) or not tests:
+        print(f"error: unknown option {unknown[0]}; see python test_all.py --help" if unknown else
+              f"error: no test matches {' '.join(only) or '--gpu-only'}; python test_all.py --help lists them",
               file=sys.stderr)
         sys.exit(2)
     passed = failed = skipped = 0
@@ -1005,11 +962,9 @@ def main(argv=None):
         passed, failed = passed + ok, failed + (not ok)
         report = "" if ok else "\n" + output[-6000:]
         print(f"{'PASS' if ok else 'FAIL'} {name} ({seconds:.1f}s, own process){report}", flush=True)
-    print(f"({time.time() - start_all:.0f} s; {skipped} CUDA tests skipped)" if skipped else
-          f"({time.time() - start_all:.0f} s)")
-    print(f"{passed} passed, {failed} failed")
+    skips = f"; {skipped} CUDA tests skipped" if skipped else ""
+    print(f"({time.time() - start_all:.0f} s{skips})\n{passed} passed, {failed} failed")
     sys.exit(1 if failed else 0)
-
 
 if __name__ == "__main__":
     main()
