@@ -1,20 +1,11 @@
-"""GPT-2 in one file: the model every nanoperf script trains, times or takes apart.
+"""GPT-2 in one file: the model every nanoperf script trains, times or takes apart, then the tools they share.
 
-GPT-2's architecture (pre-LayerNorm blocks, learned positions, a 4x GELU MLP, tied input and output
-embeddings) with the two speed-ups every trainer wants built in: the output layer fused with the
-cross-entropy over chunks of tokens, so the [tokens, vocab] logits never exist, and FP8 matmuls for
-wide Linear layers on GPUs that have them. Below the model, under "the shared tools": the optimizer,
-compilation, FSDP2, one training step, FLOPs and MFU, the offline tokenizer, the one timer, helpers.
-
-    from gpt import GPT, make_config
-    model = GPT(make_config("gpt2", vocab_size=50304, attn="sdpa"))
-
-    python gpt.py                  # the presets and their parameter counts
-    python gpt.py --model gpt2     # one preset: where its parameters and FLOPs are
-"""
+GPT-2's architecture (pre-LayerNorm blocks, learned positions, a 4x GELU MLP, tied embeddings) with two speed-ups
+built in: the output layer fused with the cross-entropy over chunks of tokens, so the [tokens, vocab] logits never
+exist, and FP8 matmuls for wide Linear layers on GPUs that have them. `python gpt.py [--model gpt2]` prints the
+presets' parameters and FLOPs, or where one preset's parameters are."""
 
 import argparse
-import hashlib
 import math
 import os
 import statistics
@@ -33,8 +24,7 @@ import triton.language as tl
 HERE = os.path.dirname(os.path.abspath(__file__))
 GPT2_VOCAB = 50257  # tokens the GPT-2 BPE can produce; a larger vocab_size is padding
 
-
-# --- 1. configuration and presets
+# --- 1. configuration and presets: tiny trains in seconds on a CPU (256-token context), gpt2 is GPT-2 124M
 @dataclass
 class GPTConfig:
     n_layer: int = 12
@@ -47,19 +37,13 @@ class GPTConfig:
     fused_ce: bool = True  # training loss through LinearCrossEntropy (section 4)
     recompute: int = 0  # activation checkpointing of every recompute-th block (1: all, 0: none)
 
-# name: (n_layer, n_head, n_embd, d_ff); tiny trains in seconds on a CPU (256-token context), gpt2 is 124M
 PRESETS = {"tiny": (4, 4, 128, 512), "gpt2": (12, 12, 768, 3072), "small": (12, 12, 768, 3072),
            "medium": (24, 16, 1024, 4096), "large": (36, 20, 1280, 5120), "xl": (48, 25, 1600, 6400),
-           "2.7B": (32, 32, 2560, 10240)}
-
-def make_config(name, **overrides):
-    """The config of a preset, with any field overridden (vocab_size=50304, attn="flash", ...)."""
+           "2.7B": (32, 32, 2560, 10240)}  # name: (n_layer, n_head, n_embd, d_ff)
+def make_config(name, **overrides):  # a preset's config, any field overridden (vocab_size=50304, attn="flash")
     if name not in PRESETS:
         raise ValueError(f"unknown model '{name}'; choose from {', '.join(PRESETS)}")
-    n_layer, n_head, n_embd, d_ff = PRESETS[name]
-    config = replace(GPTConfig(n_layer, n_head, n_embd, d_ff, 256 if name == "tiny" else 1024), **overrides)
-    check_config(config)
-    return config
+    return check_config(replace(GPTConfig(*PRESETS[name], 256 if name == "tiny" else 1024), **overrides))
 
 def check_config(config):  # a config that cannot work is a ValueError in one sentence
     if config.n_embd % config.n_head:
@@ -70,13 +54,11 @@ def check_config(config):  # a config that cannot work is a ValueError in one se
         raise ValueError(f"unknown attention '{config.attn}'; choose from {', '.join(ATTENTION)}")
     if not 0 <= config.recompute <= config.n_layer:
         raise ValueError(f"--recompute {config.recompute} must be between 1 and the {config.n_layer} layers")
-
+    return config
 
 # --- 2. attention: causal self-attention of (B, H, T, D) tensors, one function per implementation
-def naive_attention(q, k, v):
-    # The (T, T) scores and probabilities of every head, both kept for backward, are the memory and
-    # bandwidth FlashAttention removes. The ranges name the three stages in a profile (bench_e2e.py).
-    from torch.autograd.profiler import record_function
+def naive_attention(q, k, v):  # the (T, T) scores and probabilities kept for backward: what FlashAttention removes
+    from torch.autograd.profiler import record_function  # ranges for bench_e2e.py's profile
     T = q.size(-2)
     with record_function("attention scores"):
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
@@ -97,13 +79,8 @@ def pinned_sdpa(backend):  # raises rather than fall back: a benchmark of "flash
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return attend
 
-def triton_attention(q, k, v):
-    try:
-        from flash_triton import flash_attention
-    except ModuleNotFoundError as e:
-        if e.name != "flash_triton":
-            raise
-        raise RuntimeError("--attn triton needs flash_triton.py next to gpt.py") from None
+def triton_attention(q, k, v):  # flash_triton.py, this repo's FlashAttention in Triton
+    from flash_triton import flash_attention
     return flash_attention(q, k, v, causal=True)
 
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
@@ -111,7 +88,6 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 ATTENTION = {"naive": naive_attention, "sdpa": sdpa_attention,
              **{name: pinned_sdpa(backend) for name, backend in SDPA_BACKENDS.items()}, "triton": triton_attention}
 GPU_ONLY_ATTENTION = ("cudnn", "efficient", "triton")
-
 
 # --- 3. the model
 class CausalSelfAttention(nn.Module):
@@ -126,8 +102,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = self.attend(q, k, v)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.c_proj(self.attend(q, k, v).transpose(1, 2).reshape(B, T, C))
 
 class MLP(nn.Module):
     def __init__(self, config):
@@ -162,9 +137,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one matrix, one gradient
         self.apply(self._init_weights)
-        # Each block adds two projections into the residual stream; scaling their init keeps the
-        # stream's variance from growing with depth (GPT-2 paper, section 2.3).
-        for name, p in self.named_parameters():
+        for name, p in self.named_parameters():  # residual projections scaled: variance does not grow with depth
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
@@ -178,57 +151,40 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # parameters() counts a tied one once
 
-    def forward(self, idx, targets=None):
-        # Training with fused_ce: (None, loss), no logits are ever made. Otherwise the logits come back
-        # detached when there is a loss: under torch.compile an output that requires grad but gets none is
-        # handed a zero gradient, a logits-sized tensor (1.6 GB at B=16, T=1024) filled and read every step.
+    def forward(self, idx, targets=None):  # logits detached with a loss: compile would zero-fill their grad each step
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than the block size {self.config.block_size}")
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
         K = self.config.recompute
-        for i, block in enumerate(self.h):
-            if K and i % K == 0 and torch.is_grad_enabled():
-                # keep only the block's input; its activations are recomputed in backward
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+        for i, block in enumerate(self.h):  # recompute: keep a block's input, redo its activations in backward
+            recompute = K and i % K == 0 and torch.is_grad_enabled()
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         x = self.ln_f(x)
         if targets is not None and self.config.fused_ce and torch.is_grad_enabled():
             return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
         logits = self.lm_head(x)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits.detach(), loss
+        return logits.detach(), F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Append max_new_tokens sampled tokens to idx (B, T); never a padding token (undecodable)."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):  # never a padding token
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size :])
-            logits = logits[:, -1, :].float() / temperature
+            logits = self(idx[:, -self.config.block_size :])[0][:, -1, :].float() / temperature
             logits[:, GPT2_VOCAB:] = float("-inf")
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, GPT2_VOCAB)).values[:, -1:]
                 logits[logits < kth] = float("-inf")
-            probs = logits.softmax(dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+            idx = torch.cat([idx, torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)], dim=1)
         return idx
 
-
-# --- 4. the output layer and the loss, fused over chunks of tokens
-# The plain loss writes logits = x W^T ([N, V]: 1.6 GB in bf16 at N=16,384, V=50,304), reads them, keeps an
-# fp32 copy for backward and writes their gradient. Here each chunk of rows gets its logits, one kernel
-# overwrites them with their gradient, which goes straight into dx = dlogits W and dW += dlogits^T x: the
-# gradients are done in forward and one chunk of logits ever exists (8,192 rows: the matmuls stay efficient).
-CE_CHUNK_ROWS = 8192
-
+# --- 4. the output layer and the loss, fused over chunks of rows: the [N, V] logits (1.6 GB in bf16 at N=16,384)
+# never exist. A kernel turns each chunk's logits into their gradient, at once multiplied into dx and dW, in forward.
 @triton.jit
 def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, n_valid, n_cols, BLOCK: tl.constexpr):
-    # One program per row: its loss, then softmax - onehot written over the logits; columns from n_valid on
-    # are padding (zero gradient). The 1/N of the mean waits for backward: a float argument here breaks
-    # Inductor's relaunch when it recompiles with dynamic shapes (torch 2.11).
+    # One program per row: its loss, then softmax - onehot over the logits (columns from n_valid on: padding, 0).
+    # The 1/N waits for backward: a float argument breaks Inductor's relaunch under dynamic shapes (torch 2.11).
     row = logits_ptr + tl.program_id(0).to(tl.int64) * stride
     m = float("-inf")  # running max and sum of exp(z - m): one exp per element
     s = 0.0
@@ -258,7 +214,7 @@ def chunk_loss_and_grad(logits, targets, n_valid):  # the kernel on a GPU; on a 
     lse = torch.logsumexp(z, dim=1)
     grad = torch.exp(z - lse[:, None])
     grad[torch.arange(len(targets)), targets] -= 1
-    losses = lse - z.gather(1, targets[:, None]).squeeze(1)
+    losses = lse - z.gather(1, targets[:, None]).squeeze(1)  # before the logits (z, in fp32) are overwritten
     logits[:, :n_valid] = grad.to(logits.dtype)
     logits[:, n_valid:] = 0
     return losses
@@ -266,13 +222,11 @@ def chunk_loss_and_grad(logits, targets, n_valid):  # the kernel on a GPU; on a 
 class LinearCrossEntropy(torch.autograd.Function):
     """mean_i cross_entropy(x_i W^T, y_i) with its gradients for x and W computed in forward."""
     @staticmethod
-    def forward(ctx, x, weight, targets, chunk_rows):
-        # under autocast the matmuls run in the autocast dtype, as nn.Linear's would
+    def forward(ctx, x, weight, targets, chunk_rows):  # matmuls in the autocast dtype, as nn.Linear's
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         xc, w = x.to(dtype), weight.to(dtype)
         N, n_valid = x.shape[0], min(GPT2_VOCAB, weight.shape[0])
-        losses, dx = [], torch.empty_like(x)
-        dw = torch.zeros_like(weight, dtype=dtype)
+        losses, dx, dw = [], torch.empty_like(x), torch.zeros_like(weight, dtype=dtype)
         with torch.autocast(x.device.type, enabled=False):
             for start in range(0, N, chunk_rows):
                 rows = slice(start, start + chunk_rows)
@@ -290,15 +244,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss / ctx.n_rows
         return dx * scale, dw * scale, None, None
 
+CE_CHUNK_ROWS = 8192  # rows enough for efficient matmuls
 def linear_cross_entropy(x, weight, targets, chunk_rows=None):  # (N, d) hidden states, (N,) targets
     return LinearCrossEntropy.apply(x, weight, targets, chunk_rows or CE_CHUNK_ROWS)
 
-
-# --- 5. FP8 matmuls (H100/H200): e4m3 activations and weights, e5m2 gradients, tensorwise scales
-# FP8 tensor cores run at twice the bf16 rate, but each operand is first scaled into FP8's narrow range
-# (e4m3: max 448; e5m2: max 57344) by its absolute maximum, every step: a pass torch.compile fuses away.
+# --- 5. FP8 matmuls (H100/H200), twice the bf16 rate: e4m3 activations and weights, e5m2 gradients, amax scales
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
 def to_fp8(t, dtype):  # (t scaled into dtype's range and cast, the inverse scale)
     amax = t.detach().abs().amax().float().clamp(min=1e-12)
     scale = torch.finfo(dtype).max / amax
@@ -330,18 +281,14 @@ class Fp8Linear(nn.Linear):
         y = Fp8Matmul.apply(x.flatten(0, -2), self.weight).unflatten(0, x.shape[:-1])
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-# The block's four Linears run in FP8 where both widths reach FP8_MIN_WIDTH (lm_head stays bf16, inside the
-# fused loss). On an H100 (compiled, B=8 T=1024) FP8 made a 2.7B block (d=2560) 12% faster and an xl block
-# (d=1600) 7% slower; at gpt2's d=768 every layer lost: small matmuls do not repay the scaling passes.
+# FP8 for a block's Linears both ways >= FP8_MIN_WIDTH: narrower ones don't repay the scaling; lm_head: fused loss
 FP8_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 FP8_MIN_WIDTH = 2048
-
 def fp8_supported(device):
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
-def use_fp8(model, min_width=FP8_MIN_WIDTH):
-    """FP8_LAYERS at least min_width wide both ways become Fp8Linear in place: [(name, in, out, converted)]."""
+def use_fp8(model, min_width=FP8_MIN_WIDTH):  # FP8_LAYERS >= min_width both ways: [(name, in, out, converted)]
     plan = []
     for name, m in model.named_modules():
         if type(m) is nn.Linear and name.endswith(FP8_LAYERS):
@@ -351,47 +298,30 @@ def use_fp8(model, min_width=FP8_MIN_WIDTH):
             plan.append((name, m.in_features, m.out_features, chosen))
     return plan
 
-
-# ==========================================================================================================
-# The shared tools: optimizer, compilation, FSDP2, one training step, FLOPs and MFU, tokenizer and data, the
-# one timer, and small helpers (device, precision, errors, paths, tables).
-# ==========================================================================================================
-
+# ====== The shared tools: optimizer, compilation, FSDP2, a training step, FLOPs and MFU, tokenizer, timer, helpers
 # --- 6. optimizer, compilation, sharding and one training step
 def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
     # weight decay on matrices and embeddings, not biases or LayerNorm gains; fused: a few kernels for all
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    fused = all(p.is_cuda for p in params)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=all(p.is_cuda for p in params))
 
-def compile_model(model, cuda_graphs=False):
-    # torch.compile fuses the elementwise work between the matmuls. CUDA graphs replay forward and backward
-    # with one launch each instead of hundreds: only on one GPU without gradient accumulation (DDP launches
-    # its all-reduces outside the graphs, and a micro-step's gradients would sit in graph memory the next
-    # replay overwrites). Programmatic dependent launch (Hopper on) starts a kernel as the previous one ends.
+def compile_model(model, cuda_graphs=False):  # CUDA graphs: one GPU, no grad accumulation (a replay overwrites grads)
     return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
 
-def fully_shard_gpt(model, param_dtype=None):
-    # FSDP2 per block, then the root. A block's shards are all-gathered for its forward (and backward) and
-    # freed after, its gradients reduce-scattered in fp32; block i+1's gather overlaps block i's compute, so
-    # only a block or two are ever whole. param_dtype=bf16 moves half the bytes; the shards stay fp32. The
-    # mesh takes the parameters' device type: left to itself FSDP2 picks CUDA whenever there is one.
+def fully_shard_gpt(model, param_dtype=None):  # per block: one block's all-gather overlaps the last one's compute
     from torch.distributed import get_world_size
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(next(model.parameters()).device.type, (get_world_size(),))
+    mesh = init_device_mesh(next(model.parameters()).device.type, (get_world_size(),))  # not FSDP2's default CUDA
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.h:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
-def clip_gradients(model, optimizer, max_norm):
-    """The global gradient norm, gradients scaled down to max_norm above it (0: never)."""
-    # A fused AdamW clips in its own kernel, dividing each gradient by grad_scale (GradScaler's unscale hook)
-    # as it reads it: a read and a write of every gradient saved, 1 GB a step at 124M. Under FSDP the norm
-    # comes back as a replicated DTensor.
+def clip_gradients(model, optimizer, max_norm):  # the global norm; gradients scaled to max_norm above it (0: never)
+    # a fused AdamW divides each gradient by grad_scale as it reads it: a pass saved. FSDP's norm is a DTensor
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -424,56 +354,38 @@ def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, m
     mark("optimizer")
     return loss.detach()
 
-
 # --- 7. FLOPs and MFU
 def flops_per_token(config, seq_len):
-    # 6 per matmul parameter (2 forward, 4 backward; the output layer, not the position lookup) plus
-    # attention's QK^T and PV, 12 L d T, not halved for causality, as PaLM counts for MFU
+    # 6 per matmul parameter (2 forward, 4 backward) plus attention's QK^T and PV, 12 L d T, unhalved, as PaLM counts
     d, L = config.n_embd, config.n_layer
     matmul_params = L * (4 * d * d + 2 * d * config.d_ff) + config.vocab_size * d
     return 6 * matmul_params + 12 * L * d * seq_len
 
-# Dense bf16 tensor-core peak per GPU, matched on torch.cuda.get_device_name() (first match wins;
-# "H100" alone is the SXM part, which reports itself as "NVIDIA H100 80GB HBM3").
 GPU_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
                   ("GH200", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12))
-
-def gpu_peak_flops(device):  # FLOP/s, or None for an unknown GPU or none
+def gpu_peak_flops(device):  # dense bf16 FLOP/s of the first key in the GPU's name ("H100": the SXM part), or None
     if torch.device(device).type != "cuda":
         return None
     return next((peak for key, peak in GPU_PEAK_FLOPS if key in torch.cuda.get_device_name(device)), None)
 
-def mfu(flops_per_s, device):
-    # of the bf16 peak, for fp32 and FP8 runs too, as is customary; None, never a guess, if the peak is unknown
+def mfu(flops_per_s, device):  # of the bf16 peak, for fp32 and FP8 runs too, as is customary; None, never a guess
     peak = gpu_peak_flops(device)
     return None if peak is None else flops_per_s / peak
 
 def fmt_mfu(value):
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
-
 # --- 8. tokenizer and data
-BPE_FILES = {"vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",  # the sha256
-             "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"}  # tiktoken expects
+BPE_FILES = ("vocab.bpe", "encoder.json")
 R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-def gpt2_tokenizer(bpe_dir=os.path.join(HERE, "gpt2_bpe")):
-    """tiktoken's "gpt2" encoding from the BPE files in the repo: no network access."""
+def gpt2_tokenizer(bpe_dir=os.path.join(HERE, "gpt2_bpe")):  # tiktoken's "gpt2" from the repo's files: offline
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    paths = {name: os.path.join(bpe_dir, name) for name in BPE_FILES}
-    for name, path in paths.items():
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"GPT-2 BPE file {path} is missing")
-        with open(path, "rb") as f:
-            if hashlib.sha256(f.read()).hexdigest() != BPE_FILES[name]:
-                raise ValueError(f"{path} does not have the expected sha256 {BPE_FILES[name]}")
-    ranks = data_gym_to_mergeable_bpe_ranks(paths["vocab.bpe"], paths["encoder.json"])
+    ranks = data_gym_to_mergeable_bpe_ranks(*(os.path.join(bpe_dir, name) for name in BPE_FILES))
     return tiktoken.Encoding(name="gpt2", pat_str=R50K_PATTERN, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": GPT2_VOCAB - 1}, explicit_n_vocab=GPT2_VOCAB)
 
-def load_tokens(path=os.path.join(HERE, "input.txt")):
-    """The text file as a 1-D int64 tensor of GPT-2 tokens (input.txt: 338,025 tokens)."""
+def load_tokens(path=os.path.join(HERE, "input.txt")):  # the text as a 1-D int64 tensor of GPT-2 tokens
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing; it holds the training text (Tiny Shakespeare)")
     try:
@@ -483,13 +395,9 @@ def load_tokens(path=os.path.join(HERE, "input.txt")):
         raise ValueError(f"{path} is not UTF-8 text (was a checkpoint or binary file written over it?)") from None
     return torch.tensor(gpt2_tokenizer().encode_ordinary(text), dtype=torch.long)
 
-
-# --- 9. the one timer: variants interleaved in rounds
-# A shared GPU changes speed over seconds: variants timed one after another can differ by 15% with nothing
-# changed. Rounds, A B C, B C A, ..., put every variant through the same conditions; the median resists stray
-# slow rounds, and a ratio is taken within each round (paired), so a slow minute slows both of its sides.
-def clock(device):
-    # on a GPU an event queued behind the work already queued, which fires when the GPU gets there
+# --- 9. the one timer: a shared GPU changes speed over seconds, so variants run in rounds (A B C, B C A, ...), each
+# in the same conditions; the median resists stray slow rounds, and ratios paired in a round cancel a slow minute.
+def clock(device):  # on a GPU an event queued behind the work already queued: it fires when the GPU gets there
     if torch.device(device).type != "cuda":
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
@@ -520,9 +428,8 @@ class Timing:
         return "-" if self.ratio is None else f"{self.ratio:.3f}x ({self.ratio_low:.3f}-{self.ratio_high:.3f})"
 
 def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progress=None):
-    """({name: [ms per step, a round each] or None (OOM)}, {name: peak bytes}) for {name: fn queueing a step}.
-    The warm-up also compiles, autotunes, grows the allocator and captures CUDA graphs (whose pool counts only
-    then). One synchronize per round (`sync`: ddp.py's, all ranks), so the host queues ahead as in training."""
+    """({name: [ms per step, a round each] or None (OOM)}, {name: peak bytes}) for {name: fn queueing a step}. The
+    warm-up also compiles and captures CUDA graphs. One sync a round (ddp.py's: all ranks): the host queues ahead."""
     cuda = torch.device(device).type == "cuda"
     names, times, peaks = list(variants), {}, {}
     for i, name in enumerate(names):
@@ -560,14 +467,12 @@ def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progr
     return times, peaks
 
 def lazily(make, device, held=lambda: 0, note=None):
-    """A variant that builds itself (make()) at its first call, inside the warm-up, where an OOM marks it
-    alone. state["others"]: what the others held then (max_memory_allocated covers the whole process)."""
+    """A variant made by make() at its first call, in the warm-up: an OOM marks it alone. state["others"]: bytes
+    the others held then (max_memory_allocated covers the whole process)."""
     state = {}
-
     def variant():
         if "step" not in state:
-            cuda = device.type == "cuda"
-            state["others"] = torch.cuda.memory_allocated(device) - held() if cuda else 0
+            state["others"] = torch.cuda.memory_allocated(device) - held() if device.type == "cuda" else 0
             if note:
                 print(note, file=sys.stderr, flush=True)
             state["step"] = make()
@@ -579,25 +484,18 @@ def lazily(make, device, held=lambda: 0, note=None):
     variant.state = state
     return variant
 
-def summarize(times, baseline=None, peaks=None):
-    """{name: Timing or None}: median (min-max) over rounds, and of the per-round ratios to `baseline`."""
-    out = {}
-    base = times.get(baseline)
+def summarize(times, baseline=None, peaks=None):  # {name: Timing or None}; ratios to `baseline` paired per round
+    out, base, peaks = {}, times.get(baseline), peaks or {}
     for name, ms in times.items():
-        if ms is None:
-            out[name] = None
-            continue
-        t = Timing(statistics.median(ms), min(ms), max(ms), peak=(peaks or {}).get(name))
-        if base:
+        t = out[name] = None if ms is None else Timing(statistics.median(ms), min(ms), max(ms), peak=peaks.get(name))
+        if t and base:
             ratios = [a / b for a, b in zip(ms, base)]
             t.ratio, t.ratio_low, t.ratio_high = statistics.median(ratios), min(ratios), max(ratios)
-        out[name] = t
     return out
 
 def compare(variants, device, baseline=None, rounds=20, steps=3, warmup=2, progress=None):
     times, peaks = time_rounds(variants, device, rounds, steps, warmup, progress=progress)
     return summarize(times, baseline, peaks)
-
 
 # --- 10. small helpers: device, precision, memory, errors, paths, tables
 def round_up(n, multiple):  # round_up(50257, 128) == 50304
@@ -607,8 +505,7 @@ def fail(message):  # bad input: one sentence and exit status 2, no traceback
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
-def resolve_device(name=None):
-    """cpu, cuda or cuda:N (default: the best there is) as an indexed device; anything else is a ValueError."""
+def resolve_device(name=None):  # cpu, cuda or cuda:N (default: the best there is) as an indexed device, or ValueError
     name = name or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
@@ -632,9 +529,7 @@ def amp_dtype(bf16=False, fp16=False):
 def autocast(device, dtype):
     return nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
 
-def set_tf32(enabled):
-    # TF32: fp32 matmuls on the tensor cores with a 10-bit mantissa, ~8x the fp32 rate. Newer torch warns
-    # when its fp32_precision controls are mixed with set_float32_matmul_precision: one or the other.
+def set_tf32(enabled):  # torch warns if fp32_precision and set_float32_matmul_precision are mixed: one or the other
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):
         matmul.fp32_precision = "tf32" if enabled else "ieee"
@@ -646,8 +541,7 @@ def synchronize(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
-def check_output_path(path, flag, ours=None):
-    # checked before any work, so a bad path costs seconds, not a training run; `ours(path)`: a file we wrote
+def check_output_path(path, flag, ours=None):  # before any work: a bad path costs seconds; ours(path): a file we wrote
     if not path:
         raise ValueError(f"{flag} needs a file name")
     if os.path.isdir(path):
@@ -666,10 +560,8 @@ def check_output_path(path, flag, ours=None):
     except OSError as e:
         raise ValueError(f"{flag} {path} cannot be written there: {e.strerror or e}") from None
 
-# Ctrl-C and SIGTERM stop every script with one line and exit 130 / 143, never a traceback, saying what
-# had finished: the tables printed so far (print_table counts them) and the timer's last note.
+# Ctrl-C and SIGTERM: one line, exit 130 / 143, no traceback, saying what finished (tables printed, the timer's note)
 PROGRESS = {"tables": 0, "doing": "starting"}
-
 def run_main(main):
     import signal
     def on_term(signum, frame):
@@ -705,8 +597,7 @@ def print_table(headers, rows):
             print("  ".join("-" * w for w in widths))
     PROGRESS["tables"] += 1
 
-def plot_to(path):
-    """pyplot for a --plot PNG: matplotlib is imported only then."""
+def plot_to(path):  # pyplot for a --plot PNG: matplotlib is imported only then
     try:
         import matplotlib
         matplotlib.use("Agg")
