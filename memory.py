@@ -346,27 +346,27 @@ def measure_step(config, B, T, dtype, device, compiled=False):
 
 # --- 3. account: the model against the allocator (GPU) or against live tensors (CPU)
 
-
 def fitting_batch(cfg, T, dtype, device):  # 5% kept back: the caching allocator fragments near the limit
     return predict_max_batch(cfg, T, dtype, torch.cuda.mem_get_info(device)[0] * 0.95)
+
+def fits(n):  # the prediction in words
+    return f"the model predicts batch {n} fits" if n else "the model predicts not even batch 1 fits in the free memory"
 
 
 def fail_out_of_memory(cfg, B, T, dtype, device):
     fail(f"batch {B} x seq {T} ({'bf16' if dtype else 'fp32'}, {cfg.n_layer} layers, d={cfg.n_embd}) does not fit in "
-         f"this GPU's memory; the model predicts batch {fitting_batch(cfg, T, dtype, device)} fits")
+         f"this GPU's memory; {fits(fitting_batch(cfg, T, dtype, device))}")
 
 
 def check_host_memory(cfg, B, T, dtype, peak):
-    """On a CPU an allocation too large for the machine is not an error but the kernel's OOM killer:
-    refuse first, from the prediction (a counted step runs after an uncounted one: ~2x the peak)."""
+    """On a CPU too much is not an error but the OOM killer: refuse first (a counted step after another: 2x)."""
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not Linux: no way to ask, so no check
         return
     if 2 * peak > free:
         fail(f"batch {B} x seq {T} ({cfg.n_layer} layers, d={cfg.n_embd}) needs about {gib(2 * peak)} GiB of this "
-             f"machine's memory and {gib(free)} GiB are free; the model predicts batch "
-             f"{predict_max_batch(cfg, T, dtype, free / 2)} fits")
+             f"machine's memory and {gib(free)} GiB are free; {fits(predict_max_batch(cfg, T, dtype, free / 2))}")
 
 
 def config_of(args, model=None, **overrides):

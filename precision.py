@@ -569,7 +569,7 @@ def main(argv=None):
     except ValueError as e:
         fail(str(e))
     longest = max(c.block_size for c in configs)
-    args.seq = args.seq or min(1024, longest)
+    args.seq = min(1024, longest) if args.seq is None else args.seq
     for flag, value, low, high in (("--batch", args.batch, 1, 4096), ("--seq", args.seq, 1, longest),
                                    ("--steps", args.steps, 1, 1000), ("--rounds", args.rounds, 1, 1000)):
         if value is not None and not low <= value <= high:

@@ -494,7 +494,8 @@ def test_precision_bad_input():
         ("--only nosuch", "unknown section 'nosuch'"), ("--only formats,nosuch", "choose from"),
         ("--device banana", "not a device"), ("--device mps", "not supported"), ("--model gpt5", "unknown model"),
         ("--models tiny,gpt5", "unknown model"), ("--batch 0", "--batch must be between"),
-        ("--seq 5000", "--seq must be between"), ("--steps 0", "--steps must be between"),
+        ("--seq 5000", "--seq must be between"), ("--seq 0", "--seq must be between"),
+        ("--steps 0", "--steps must be between"),
         ("--rounds -1", "--rounds must be between"), ("--batch x", "invalid int value")])
 
 @gpu
@@ -713,6 +714,10 @@ def test_memory_bad_input():
             ("snapshot", "--out", theirs): "not a file this script wrote",
             ("snapshot", "--out", os.path.join(d, "missing", "s.pickle")): "does not exist",
             "account --batch 100000 --device cpu": "of this machine's memory"})  # the last: refused, not OOM-killed
+    err = io.StringIO()  # weights alone beyond any host: "not even batch 1", never "batch 0 fits"
+    with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+        memory.check_host_memory(gpt.make_config("2.7B", n_layer=2000), 1, 64, None, 1 << 60)
+    assert "not even batch 1 fits" in err.getvalue(), err.getvalue()
 
 @gpu
 def test_memory_on_the_gpu():
