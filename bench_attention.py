@@ -19,8 +19,8 @@ import re
 
 import torch
 
-from gpt import (ATTENTION, GPU_ONLY_ATTENTION, SDPA_BACKENDS, compare, fail, free_memory, gib, is_oom,
-                 naive_attention, plot_to, print_table, resolve_device, run_main, synchronize)
+from gpt import (ATTENTION, GPU_ONLY_ATTENTION, SDPA_BACKENDS, check_host_memory, compare, fail, free_memory, gib,
+                 is_oom, naive_attention, plot_to, print_table, resolve_device, run_main, synchronize)
 
 IMPLS = (*ATTENTION, "compiled")
 DEFAULT_IMPLS = ("naive", "compiled", *SDPA_BACKENDS, "triton")  # "sdpa" runs one of these: ask for it by name
@@ -379,6 +379,12 @@ def parse_args(argv):
         if getattr(args, flag) < (0 if flag == "warmup" else 1):
             must = "non-negative" if flag == "warmup" else "at least 1"
             raise ValueError(f"--{flag} must be {must}, got {getattr(args, flag)}")
+    if args.device.type == "cpu":  # naive's peak and the inputs: the most any implementation holds
+        e = DTYPES[args.dtype].itemsize
+        check_host_memory(max(naive_peak_bytes(args.batch, args.heads, S, D, DTYPES[args.dtype])
+                              + 4 * args.batch * args.heads * S * D * e for D in args.d for S in args.seq),
+                          f"batch {args.batch} x {args.heads} heads at S {max(args.seq)}",
+                          "lower --batch, --heads or --seq")
     if args.memory_fraction is not None:
         if args.device.type != "cuda":
             raise ValueError("--memory-fraction caps GPU memory and needs a CUDA device")
@@ -412,8 +418,11 @@ def main(argv=None):
         if args.plot:
             plot_sweep(results, impls, args.plot, lambda c: c["both"] and c["both"].median, device.type == "cuda")
         print(sweep_summary(results, args))
-    except torch.OutOfMemoryError as e:  # outside a sweep cell (cells catch their own)
-        fail(f"out of GPU memory outside the sweep cells: {str(e).splitlines()[0][:120]}")
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # outside a sweep cell (cells catch their own)
+        if not is_oom(e):
+            raise
+        where = "GPU" if device.type == "cuda" else "host"
+        fail(f"out of {where} memory outside the sweep cells: {str(e).splitlines()[0][:120]}")
 
 
 def sweep_summary(results, args):

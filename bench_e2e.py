@@ -1,11 +1,10 @@
 """End-to-end timing of GPT training: where a step's time goes and what each optimization buys.
 
-The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive
-attention to train.py's headline, then FP8 forced onto every block Linear, all rungs in the same
-rounds of gpt.py's timer, so the ratios between rungs are paired. --nanogpt times nanoGPT's model.py
-against the headline the same way. The sweep splits a step into forward, backward and optimizer by
-model, batch, context and vocabulary; --profile groups the step's kernels and sets each group
-against its own limit on this GPU (FLOPs at the tensor-core peak, bytes at the copy bandwidth).
+The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
+train.py's headline, then FP8 forced onto every block Linear, all rungs in the same rounds of gpt.py's timer (paired
+ratios). --nanogpt times nanoGPT's model.py against the headline the same way. The sweep splits a step into forward,
+backward and optimizer by model, batch, context and vocabulary; --profile groups the step's kernels and sets each
+group against its limit (FLOPs at the tensor-core peak, bytes at the copy bandwidth).
 
     python bench_e2e.py --ladder --plot ladder.png
     python bench_e2e.py --nanogpt ../nanoGPT
@@ -24,10 +23,11 @@ from itertools import product
 
 import torch
 
-from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPU_ONLY_ATTENTION, PRESETS, amp_dtype, autocast, check_output_path,
-                 clock, compile_model, configure_optimizer, elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported,
-                 free_memory, gib, gpu_peak_flops, is_oom, lazily, make_config, mfu, plot_to, print_table,
-                 resolve_device, run_main, set_tf32, summarize, synchronize, time_rounds, train_step, use_fp8)
+from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPU_ONLY_ATTENTION, PRESETS, amp_dtype, autocast, check_host_memory,
+                 check_output_path, clock, compile_model, configure_optimizer, elapsed_ms, fail, flops_per_token,
+                 fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, is_oom, lazily, make_config, mfu, plot_to,
+                 print_table, resolve_device, run_main, set_tf32, step_bytes, summarize, synchronize, time_rounds,
+                 train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
 LADDER = (("fp32, naive attention, vocab 50257", {}),
@@ -446,8 +446,7 @@ def naive_attention_rows(prof, config, B, T, steps, cuda):
         return None  # compiled: the ranges are gone
     scores = config.n_layer * B * config.n_head * T * T  # elements of all score matrices
     head = config.n_embd // config.n_head
-    # matmuls: 2 FLOPs per multiply-add, scores also scaled and masked (2 per element);
-    # softmax: max, subtract, exp, sum, divide (5 per element)
+    # matmuls: 2 FLOPs per multiply-add, scores also scaled and masked (2 per element); softmax 5 per element
     flops = {"attention scores": scores * (2 * head + 2), "softmax": 5 * scores, "final matmul": 2 * scores * head}
     t_all, f_all = sum(times.values()) or 1, sum(flops.values())
     return [[k, f"{times[k] / 1e3 / steps:.3f}", f"{100 * times[k] / t_all:.1f}%", f"{flops[k] / 1e9:.3g}",
@@ -554,8 +553,7 @@ def check_args(args, device):
         fail("--ladder takes one --model, one --batch and one --seq")
     if args.ladder and (args.profile or args.trace or args.mode or args.compile or args.bf16 or args.fp16
                         or args.tf32 or args.vocab or args.attn != "sdpa"):
-        fail("--ladder sets precision, attention, vocab and compile itself, and cannot be profiled; "
-             "drop those flags")
+        fail("--ladder sets precision, attention, vocab and compile itself, and cannot be profiled; drop those flags")
     if args.plot and not args.ladder:
         fail("--plot draws the ladder; add --ladder")
     if args.nanogpt and (args.ladder or args.profile or args.trace or args.mode or args.compile or args.bf16
@@ -576,6 +574,10 @@ def check_args(args, device):
     args.rounds = args.rounds or (3 if cpu else 30 if args.nanogpt else 20 if args.ladder else 10)
     args.steps = args.steps or (1 if cpu else 2 if args.ladder else 3)
     args.warmup = args.warmup or (1 if cpu else 3)
+    if cpu:  # the largest configuration as the ladder's first rung runs it: fp32, all the logits
+        B, T = max(args.batch), max(args.seq)
+        check_host_memory(max(step_bytes(replace(c, vocab_size=max(args.vocab), fused_ce=False), B, T, False)
+                              for _, c in configs), f"batch {B} x seq {T}")
     return configs, plt
 
 def main(argv=None):
@@ -609,12 +611,10 @@ def main(argv=None):
         fail(str(e))
     configs, plt = check_args(args, device)
     peak = gpu_peak_flops(device)
-    if device.type != "cuda":
-        print(f"device: CPU (no CUDA GPU), torch {torch.__version__}: small sizes that finish in seconds; "
-              "CPU numbers show the method, not GPU performance, and MFU/memory are n/a")
-    else:
-        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16 peak "
-              f"{'unknown (MFU n/a)' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
+    print(f"device: CPU (no CUDA GPU), torch {torch.__version__}: small sizes that finish in seconds; CPU numbers "
+          "show the method, not GPU performance, and MFU/memory are n/a" if device.type != "cuda" else
+          f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16 peak "
+          f"{'unknown (MFU n/a)' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
     what = "the ladder"
     try:
         if args.nanogpt:
@@ -644,7 +644,7 @@ def main(argv=None):
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_oom(e):
             raise
-        fail(f"out of GPU memory in {what}; try a smaller --batch or --seq")
+        fail(f"out of {'GPU' if device.type == 'cuda' else 'host'} memory in {what}; lower --batch or --seq")
 
 if __name__ == "__main__":
     run_main(main)  # Ctrl-C / SIGTERM: one line, exit 130 / 143

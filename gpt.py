@@ -1,9 +1,8 @@
 """GPT-2 in one file: the model every nanoperf script trains, times or takes apart, then the tools they share.
 
-GPT-2's architecture (pre-LayerNorm blocks, learned positions, a 4x GELU MLP, tied embeddings) with two speed-ups
-built in: the output layer fused with the cross-entropy over chunks of tokens, so the [tokens, vocab] logits never
-exist, and FP8 matmuls for wide Linear layers on GPUs that have them. `python gpt.py [--model gpt2]` prints the
-presets' parameters and FLOPs, or where one preset's parameters are."""
+GPT-2 (pre-LayerNorm blocks, learned positions, tied embeddings) with two speed-ups built in: the output layer fused
+with the loss over chunks of tokens, so the [tokens, vocab] logits never exist, and FP8 matmuls for wide Linears.
+`python gpt.py [--model gpt2]` prints the presets' parameters and FLOPs, or where one preset's parameters are."""
 
 import argparse
 import math
@@ -369,19 +368,24 @@ def gpu_peak_flops(device):  # dense bf16 FLOP/s of the first key in the GPU's n
     return next((peak for key, peak in GPU_PEAK_FLOPS if key in torch.cuda.get_device_name(device)), None)
 
 def mfu(flops_per_s, device):  # of the bf16 peak, for fp32 and FP8 runs too, as is customary; None, never a guess
-    peak = gpu_peak_flops(device)
-    return None if peak is None else flops_per_s / peak
+    return None if (peak := gpu_peak_flops(device)) is None else flops_per_s / peak
 
 def fmt_mfu(value):
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
+def step_bytes(config, B, T, bf16):  # a train step's peak, about: 16 bytes a parameter (weights, gradients, moments),
+    # ~(34 d + 5 H T) bytes a token a layer in 16-bit (Korthikanti 2022; fp32 2x), fp32 logits (fused: one chunk)
+    with torch.device("meta"):
+        params = GPT(config).num_params()
+    acts = config.n_layer * B * T * (34 * config.n_embd + 5 * config.n_head * T) * (1 if bf16 else 2)
+    return 16 * params + acts + (min(B * T, CE_CHUNK_ROWS) if config.fused_ce else 2 * B * T) * config.vocab_size * 4
+
 # --- 8. tokenizer and data
-BPE_FILES = ("vocab.bpe", "encoder.json")
 R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 def gpt2_tokenizer(bpe_dir=os.path.join(HERE, "gpt2_bpe")):  # tiktoken's "gpt2" from the repo's files: offline
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    ranks = data_gym_to_mergeable_bpe_ranks(*(os.path.join(bpe_dir, name) for name in BPE_FILES))
+    ranks = data_gym_to_mergeable_bpe_ranks(*(os.path.join(bpe_dir, n) for n in ("vocab.bpe", "encoder.json")))
     return tiktoken.Encoding(name="gpt2", pat_str=R50K_PATTERN, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": GPT2_VOCAB - 1}, explicit_n_vocab=GPT2_VOCAB)
 
@@ -395,8 +399,7 @@ def load_tokens(path=os.path.join(HERE, "input.txt")):  # the text as a 1-D int6
         raise ValueError(f"{path} is not UTF-8 text (was a checkpoint or binary file written over it?)") from None
     return torch.tensor(gpt2_tokenizer().encode_ordinary(text), dtype=torch.long)
 
-# --- 9. the one timer: a shared GPU changes speed over seconds, so variants run in rounds (A B C, B C A, ...), each
-# in the same conditions; the median resists stray slow rounds, and ratios paired in a round cancel a slow minute.
+# --- 9. the one timer: variants in rounds (A B C, B C A, ...) as a shared GPU's speed drifts; ratios paired per round
 def clock(device):  # on a GPU an event queued behind the work already queued: it fires when the GPU gets there
     if torch.device(device).type != "cuda":
         return time.perf_counter()
@@ -586,6 +589,13 @@ def free_memory():
 
 def gib(nbytes):
     return f"{nbytes / 2**30:.2f}"
+
+def check_host_memory(need, what, hint="lower --batch or --seq, or use a smaller --model"):
+    """CPU: refuse what the OOM killer would end without a word (exit 137). hint: words, or words from free bytes."""
+    names = getattr(os, "sysconf_names", {})  # only Linux says what is free; elsewhere, no check
+    if "SC_AVPHYS_PAGES" in names and need > (free := os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")):
+        fail(f"{what} needs about {gib(need)} GiB of this machine's memory and {gib(free)} GiB are free; "
+             f"{hint(free) if callable(hint) else hint}")
 
 def print_table(headers, rows):
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]

@@ -15,7 +15,6 @@ and against max_memory_allocated on a GPU; `--compile` predicts what torch.compi
 
 import argparse
 import math
-import os
 import weakref
 
 import torch
@@ -23,9 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from gpt import (CE_CHUNK_ROWS, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, amp_dtype, autocast, check_output_path, compare,
-                 compile_model, configure_optimizer, fail, free_memory, gib, is_oom, linear_cross_entropy, make_config,
-                 print_table, resolve_device, run_main, synchronize, train_step)
+from gpt import (CE_CHUNK_ROWS, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, amp_dtype, autocast, check_host_memory,
+                 check_output_path, compare, compile_model, configure_optimizer, fail, free_memory, gib, is_oom,
+                 linear_cross_entropy, make_config, print_table, resolve_device, run_main, synchronize, train_step)
 
 PARTS = ("account", "checkpoint", "parallel", "snapshot")
 SWEEP_MODELS = ("gpt2", "medium", "large", "xl")  # "small" has gpt2's shape
@@ -358,15 +357,9 @@ def fail_out_of_memory(cfg, B, T, dtype, device):
          f"this GPU's memory; {fits(fitting_batch(cfg, T, dtype, device))}")
 
 
-def check_host_memory(cfg, B, T, dtype, peak):
-    """On a CPU too much is not an error but the OOM killer: refuse first (a counted step after another: 2x)."""
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not Linux: no way to ask, so no check
-        return
-    if 2 * peak > free:
-        fail(f"batch {B} x seq {T} ({cfg.n_layer} layers, d={cfg.n_embd}) needs about {gib(2 * peak)} GiB of this "
-             f"machine's memory and {gib(free)} GiB are free; {fits(predict_max_batch(cfg, T, dtype, free / 2))}")
+def check_host_fits(cfg, B, T, dtype, peak):  # a counted step runs after an uncounted one: about 2x the peak
+    check_host_memory(2 * peak, f"batch {B} x seq {T} ({cfg.n_layer} layers, d={cfg.n_embd})",
+                      lambda free: fits(predict_max_batch(cfg, T, dtype, free / 2)))
 
 
 def config_of(args, model=None, **overrides):
@@ -409,7 +402,7 @@ def part_account(args, device):
         if cuda:
             peaks = measure_step(cfg, B, T, dt, device, args.compile)
         else:  # no allocator to ask, but live tensors can be counted op by op
-            check_host_memory(cfg, B, T, dt, pred["peak"])
+            check_host_fits(cfg, B, T, dt, pred["peak"])
             model = GPT(cfg)
             opt, (x, y) = configure_optimizer(model, lr=1e-4), random_batch(cfg, B, T, "cpu")
             peaks = live_peaks(model, opt, x, y, dt)

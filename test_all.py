@@ -438,7 +438,7 @@ def test_bench_attention_bad_input():
         ("--rounds 0", "--rounds must be at least 1"), ("--steps 0", "--steps must be at least 1"),
         ("--warmup -1", "non-negative"), ("--batch 0", "--batch"), ("--heads 0", "--heads"),
         ("--impl flash --baseline naive", "--baseline naive"), ("--memory-fraction 1.5", "memory-fraction"),
-        ("--plot /nonexistent/a.png", "--plot")])
+        ("--plot /nonexistent/a.png", "--plot"), ("--device cpu --batch 10000000", "of this machine's memory")])
 
 @gpu
 def test_bench_attention_oom_row_then_next_runs():
@@ -570,7 +570,8 @@ def test_bench_e2e_bad_input():
         "--device cuda:7": "--device cuda:7", ("--trace", j(d, "missing", "t.json")): "does not exist",
         ("--trace", d): "is a directory", ("--trace", j(HERE, "input.txt")): "refusing to overwrite",
         ("--plot", j(d, "p.png")): "add --ladder", "--ladder --batch 1,2": "one --batch",
-        ("--ladder", "--plot", j(d, "missing", "p.png")): "does not exist", "--ladder --bf16": "sets precision"})
+        ("--ladder", "--plot", j(d, "missing", "p.png")): "does not exist", "--ladder --bf16": "sets precision",
+        "--device cpu --batch 100000": "of this machine's memory"})  # refused, not killed by the OOM killer
 
 NANOGPT_STAND_IN = """
 import dataclasses, gpt
@@ -716,7 +717,7 @@ def test_memory_bad_input():
             "account --batch 100000 --device cpu": "of this machine's memory"})  # the last: refused, not OOM-killed
     err = io.StringIO()  # weights alone beyond any host: "not even batch 1", never "batch 0 fits"
     with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
-        memory.check_host_memory(gpt.make_config("2.7B", n_layer=2000), 1, 64, None, 1 << 60)
+        memory.check_host_fits(gpt.make_config("2.7B", n_layer=2000), 1, 64, None, 1 << 60)
     assert "not even batch 1 fits" in err.getvalue(), err.getvalue()
 
 @gpu

@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpt import (CE_CHUNK_ROWS, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autocast, check_output_path,
+from gpt import (FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autocast, check_host_memory, check_output_path,
                  clip_gradients, clock, compile_model, configure_optimizer, elapsed_ms, fail, flops_per_token,
                  fmt_mfu, fp8_supported, fully_shard_gpt, gib, gpt2_tokenizer, is_oom, load_tokens, make_config, mfu,
-                 print_table, resolve_device, set_tf32, use_fp8)
+                 print_table, resolve_device, set_tf32, step_bytes, use_fp8)
 
 # --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
 def wrap(model, args, world, device):
@@ -486,7 +486,8 @@ def check_run(args, world, device):
                          f"{world} process(es); lower --seq or use more text")
     eval_plan = (rows, min(args.eval_steps, (len(val) - 1) // (rows * args.seq * world)))
     if on_cpu:
-        check_host_memory(config, args)
+        check_host_memory(step_bytes(config, args.batch, args.seq, args.bf16),
+                          f"model {args.model} at batch {args.batch} x seq {args.seq}")
 
     state = read_checkpoint(args.ckpt, args, world) if args.resume else None
     args.last = min(args.steps, args.stop_after or args.steps)  # the loop runs up to here
@@ -496,25 +497,6 @@ def check_run(args, world, device):
     if state is not None and state.get("precision", precision_of(args)) != precision_of(args):
         args.note = f"note: {args.ckpt} was trained in {state['precision']}; this run continues in {precision_of(args)}"
     return config, (train_tokens, val, eval_plan), state
-
-def check_host_memory(config, args):
-    """On a CPU an allocation too large is no error but the kernel's OOM killer (exit 137, no word): refuse
-    first. The step's peak, about: weights, gradients and AdamW's moments (16 bytes a parameter), activations
-    ~(34 d + 5 H T) bytes a token per layer in 16-bit (Korthikanti et al., 2022), twice in fp32, and a chunk
-    of fp32 logits (all of them unfused). memory.py has the exact model."""
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not Linux: no way to ask, so no check
-        return
-    with torch.device("meta"):
-        params = GPT(config).num_params()
-    B, T = args.batch, args.seq
-    acts = config.n_layer * B * T * (34 * config.n_embd + 5 * config.n_head * T) * (1 if args.bf16 else 2)
-    logits = (min(B * T, CE_CHUNK_ROWS) if config.fused_ce else 2 * B * T) * config.vocab_size * 4
-    need = 16 * params + acts + logits
-    if need > free:
-        fail(f"model {args.model} at batch {B} x seq {T} needs about {gib(need)} GiB of this machine's memory and "
-             f"{gib(free)} GiB are free; lower --batch or --seq, or use a smaller --model")
 
 def init_distributed(args):
     """(rank, world, device); torchrun sets RANK, WORLD_SIZE and LOCAL_RANK."""
