@@ -26,9 +26,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
-from gpt import (GPT, Timing, autocast, clock, configure_optimizer, elapsed_ms, fail, free_memory, fully_shard_gpt,
-                 gib, lazily, make_config, plot_to, print_table, round_up, run_main, set_tf32, summarize,
-                 synchronize, time_rounds)
+from gpt import (GPT, Timing, autocast, check_host_memory, clock, configure_optimizer, elapsed_ms, fail, free_memory,
+                 fully_shard_gpt, gib, lazily, make_config, plot_to, print_table, round_up, run_main, set_tf32,
+                 step_bytes, summarize, synchronize, time_rounds)
 
 # newer torch names the flat collectives *_single. gloo reduce-scatters by an all-reduce that keeps its slice (twice
 # the traffic, fine for a CPU smoke run); NCCL does the real thing. Both average inside.
@@ -640,7 +640,8 @@ def run_benchmark(args, gpu):
             for k, _, d in (v.partition(":") for v in variants) if not (k == "torch" and d == "bf16" and not gpu)]
     with torch.device("meta"):
         weights = 4 * GPT(config).num_params()
-    held = 0 if gpu else int(weights * (1 + sum(sum(RESIDENT[k]) for _, k, _ in rows)))  # CPU: all in host memory
+    held = 0 if gpu else int(weights * (1 + sum(sum(RESIDENT[k]) for _, k, _ in rows))  # CPU: all in host memory
+                             + step_bytes(config, args.batch, args.seq, False))  # and one step's activations
     check_launch(args.world, args.backend, held, f"the benchmark of GPT {args.model}")
     args.groups = memory_groups(rows, config, args, args.world, weights)
     print(f"data-parallel GPT {args.model} ({weights / 4e6:.0f}M parameters) on "
@@ -706,11 +707,8 @@ def check_launch(world, backend, rank_bytes, what):
     if backend == "nccl" and world > torch.cuda.device_count():
         fail(f"--world {world} is more than the {torch.cuda.device_count()} GPUs on this machine")
     # a spawned GPU rank imports torch and makes a CUDA context (~2 GiB of host memory); a forked CPU rank does not
-    need = world * (rank_bytes + (2**31 if backend == "nccl" else 2**28))
-    meminfo = open("/proc/meminfo").read().splitlines() if os.path.exists("/proc/meminfo") else []
-    free = next((int(ln.split()[1]) * 1024 for ln in meminfo if ln.startswith("MemAvailable:")), None)
-    if free is not None and need > free:
-        fail(f"{what} on {world} ranks needs about {gib(need)} GiB of host memory; {gib(free)} GiB are free")
+    check_host_memory(world * (rank_bytes + (2**31 if backend == "nccl" else 2**28)), f"{what} on {world} ranks",
+                      "lower --batch, --seq or --world, or use a smaller --model")
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Data-parallel training written out: DDP, ZeRO, FSDP.")

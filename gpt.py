@@ -592,8 +592,8 @@ def gib(nbytes):
 
 def check_host_memory(need, what, hint="lower --batch or --seq, or use a smaller --model"):
     """CPU: refuse what the OOM killer would end without a word (exit 137). hint: words, or words from free bytes."""
-    names = getattr(os, "sysconf_names", {})  # only Linux says what is free; elsewhere, no check
-    if "SC_AVPHYS_PAGES" in names and need > (free := os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")):
+    info = open("/proc/meminfo").read().split() if os.path.exists("/proc/meminfo") else []  # Linux; elsewhere no check
+    if "MemAvailable:" in info and need > (free := int(info[info.index("MemAvailable:") + 1]) * 1024):
         fail(f"{what} needs about {gib(need)} GiB of this machine's memory and {gib(free)} GiB are free; "
              f"{hint(free) if callable(hint) else hint}")
 

@@ -784,9 +784,10 @@ def test_ddp_bad_inputs():
         check_bad_inputs("ddp.py", [
             ("benchmark --world 0", "--world must be at least 1"), ("selftest --world 3", "1, 2, 4 or 8 ranks"),
             ("benchmark --world 4096",
-             f"more than the {torch.cuda.device_count()} GPUs" if HAS_CUDA else "GiB of host memory"),
+             f"more than the {torch.cuda.device_count()} GPUs" if HAS_CUDA else "of this machine's memory"),
             (f"benchmark --plot {tmp}/missing/ddp.png", "does not exist"),
             (f"benchmark --plot {tmp}", "is a directory"),
+            ("benchmark --backend gloo --batch 100000", "of this machine's memory"),
             ("selftest --steps 0", "at least 1"),
             ("benchmark --warmup 0", "--warmup must be at least 1"),
             ("benchmark --rounds 0", "--rounds must be at least 1"),
