@@ -380,9 +380,9 @@ def parse_args(argv):
             must = "non-negative" if flag == "warmup" else "at least 1"
             raise ValueError(f"--{flag} must be {must}, got {getattr(args, flag)}")
     if args.device.type == "cpu":  # naive's peak and the inputs: the most any implementation holds
-        e = DTYPES[args.dtype].itemsize
-        check_host_memory(max(naive_peak_bytes(args.batch, args.heads, S, D, DTYPES[args.dtype])
-                              + 4 * args.batch * args.heads * S * D * e for D in args.d for S in args.seq),
+        dtype = DTYPES[args.dtype]
+        check_host_memory(max(naive_peak_bytes(args.batch, args.heads, S, D, dtype)
+                              + 4 * args.batch * args.heads * S * D * dtype.itemsize for D in args.d for S in args.seq),
                           f"batch {args.batch} x {args.heads} heads at S {max(args.seq)}",
                           "lower --batch, --heads or --seq")
     if args.memory_fraction is not None:
