@@ -419,6 +419,8 @@ class Timing:
     median: float
     low: float
     high: float
+    mean: float = None
+    std: float = None  # sample standard deviation over the rounds (0 with one round)
     ratio: float = None
     ratio_low: float = None
     ratio_high: float = None
@@ -426,6 +428,9 @@ class Timing:
 
     def ms(self, digits=2):
         return f"{self.median:.{digits}f} ({self.low:.{digits}f}-{self.high:.{digits}f})"
+
+    def mean_std(self, digits=2):  # as the CS336 benchmarking script reports a timing
+        return f"{self.mean:.{digits}f} ± {self.std:.{digits}f}"
 
     def vs(self):
         return "-" if self.ratio is None else f"{self.ratio:.3f}x ({self.ratio_low:.3f}-{self.ratio_high:.3f})"
@@ -490,8 +495,12 @@ def lazily(make, device, held=lambda: 0, note=None):
 def summarize(times, baseline=None, peaks=None):  # {name: Timing or None}; ratios to `baseline` paired per round
     out, base, peaks = {}, times.get(baseline), peaks or {}
     for name, ms in times.items():
-        t = out[name] = None if ms is None else Timing(statistics.median(ms), min(ms), max(ms), peak=peaks.get(name))
-        if t and base:
+        if ms is None:  # out of memory in its warm-up
+            out[name] = None
+            continue
+        std = statistics.stdev(ms) if len(ms) > 1 else 0.0
+        t = out[name] = Timing(statistics.median(ms), min(ms), max(ms), statistics.mean(ms), std, peak=peaks.get(name))
+        if base:
             ratios = [a / b for a, b in zip(ms, base)]
             t.ratio, t.ratio_low, t.ratio_high = statistics.median(ratios), min(ratios), max(ratios)
     return out
@@ -501,6 +510,60 @@ def compare(variants, device, baseline=None, rounds=20, steps=3, warmup=2, progr
     return summarize(times, baseline, peaks)
 
 # --- 10. small helpers: device, precision, memory, errors, paths, tables
+# --- flags: argparse `type=` helpers, the one way every script validates a number. A bad value is argparse's
+# own error: one sentence naming the flag as the last line, exit status 2, no traceback.
+def _number(text, kind):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got '{text}'")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got '{text}'")
+    return value
+
+
+def _check_range(value, low, high):
+    if low is not None and value < low:
+        raise argparse.ArgumentTypeError(f"must be at least {low:g}, got {value:g}")
+    if high is not None and value > high:
+        raise argparse.ArgumentTypeError(f"must be at most {high:g}, got {value:g}")
+    return value
+
+
+def int_in(low=None, high=None):
+    """type=int_in(1): an integer in [low, high] (either end open when None)."""
+    def parse(text):
+        return _check_range(_number(text, int), low, high)
+    parse.__name__ = "integer"  # argparse names the type in its messages
+    return parse
+
+
+def float_in(low=None, high=None):
+    """type=float_in(0): a finite number in [low, high]."""
+    def parse(text):
+        return _check_range(_number(text, float), low, high)
+    parse.__name__ = "number"
+    return parse
+
+
+def int_list(low=None, high=None):
+    """type=int_list(1): a comma list of integers, each in [low, high], as a list ("1,2,4" -> [1, 2, 4])."""
+    def parse(text):
+        items = [item.strip() for item in text.split(",")]
+        if not all(items):
+            raise argparse.ArgumentTypeError(f"expected a comma list of integers, got '{text}'")
+        return [_check_range(_number(item, int), low, high) for item in items]
+    parse.__name__ = "list of integers"
+    return parse
+
+
+def on_device(device, cpu, gpu):
+    """The one rule for defaults: the headline's value on a CUDA GPU, a seconds-long one on a CPU."""
+    if torch.device(device).type == "cuda":
+        return gpu
+    return cpu
+
+
 def round_up(n, multiple):  # round_up(50257, 128) == 50304
     return (n + multiple - 1) // multiple * multiple
 
