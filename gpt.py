@@ -564,6 +564,27 @@ def on_device(device, cpu, gpu):
     return cpu
 
 
+def saved_tensor_bytes(fn, exclude=()):
+    """Bytes autograd saves for backward while fn() runs: distinct storages, beyond those of `exclude` (the weights
+    and the batch, alive anyway). Views share a storage (q, k, v of one qkv tensor; probabilities saved by softmax
+    and again by the matmul after it) and count once."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen.setdefault((storage.data_ptr(), str(t.device)), storage.nbytes())
+        return t
+
+    def unpack(t):
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        fn()
+    return sum(seen.values())
+
+
 def round_up(n, multiple):  # round_up(50257, 128) == 50304
     return (n + multiple - 1) // multiple * multiple
 
