@@ -1,10 +1,16 @@
 """GPT-2 in one file: the model every nanoperf script trains, times or takes apart, then the tools they share.
 
-GPT-2 (pre-LayerNorm blocks, learned positions, tied embeddings) with two speed-ups built in: the output layer fused
-with the loss over chunks of tokens, so the [tokens, vocab] logits never exist, and FP8 matmuls for wide Linears.
-`python gpt.py [--model gpt2]` prints the presets' parameters and FLOPs, or where one preset's parameters are."""
+Part 1, the model: GPT-2 (pre-LayerNorm blocks, learned positions, tied embeddings) with two speed-ups built in:
+the output layer fused with the loss over chunks of tokens, so the [tokens, vocab] logits never exist, and FP8
+matmuls for wide Linears. Part 2, the shared tools: the optimizer, one training step, FLOPs and MFU, the tokenizer,
+the one timer, flag types and small helpers.
+
+    python gpt.py                  # the presets: parameters and training FLOPs per token
+    python gpt.py --model gpt2     # where one preset's parameters are
+"""
 
 import argparse
+import gc
 import math
 import os
 import statistics
@@ -23,7 +29,13 @@ import triton.language as tl
 HERE = os.path.dirname(os.path.abspath(__file__))
 GPT2_VOCAB = 50257  # tokens the GPT-2 BPE can produce; a larger vocab_size is padding
 
+
+# ====================================================================================================================
+# Part 1: the model
+# ====================================================================================================================
+
 # --- 1. configuration and presets: tiny trains in seconds on a CPU (256-token context), gpt2 is GPT-2 124M
+
 @dataclass
 class GPTConfig:
     n_layer: int = 12
@@ -36,15 +48,30 @@ class GPTConfig:
     fused_ce: bool = True  # training loss through LinearCrossEntropy (section 4)
     recompute: int = 0  # activation checkpointing of every recompute-th block (1: all, 0: none)
 
-PRESETS = {"tiny": (4, 4, 128, 512), "gpt2": (12, 12, 768, 3072), "small": (12, 12, 768, 3072),
-           "medium": (24, 16, 1024, 4096), "large": (36, 20, 1280, 5120), "xl": (48, 25, 1600, 6400),
-           "2.7B": (32, 32, 2560, 10240)}  # name: (n_layer, n_head, n_embd, d_ff)
-def make_config(name, **overrides):  # a preset's config, any field overridden (vocab_size=50304, attn="flash")
+
+PRESETS = {  # name: (n_layer, n_head, n_embd, d_ff); gpt2 and small are the same 124M model under two names
+    "tiny": (4, 4, 128, 512),
+    "gpt2": (12, 12, 768, 3072),
+    "small": (12, 12, 768, 3072),
+    "medium": (24, 16, 1024, 4096),
+    "large": (36, 20, 1280, 5120),
+    "xl": (48, 25, 1600, 6400),
+    "2.7B": (32, 32, 2560, 10240),
+}
+
+
+def make_config(name, **overrides):
+    """A preset's config with any field overridden: make_config("gpt2", vocab_size=50304, attn="flash")."""
     if name not in PRESETS:
         raise ValueError(f"unknown model '{name}'; choose from {', '.join(PRESETS)}")
-    return check_config(replace(GPTConfig(*PRESETS[name], 256 if name == "tiny" else 1024), **overrides))
+    block_size = 1024
+    if name == "tiny":
+        block_size = 256  # short enough that a CPU trains it in seconds
+    return check_config(replace(GPTConfig(*PRESETS[name], block_size), **overrides))
 
-def check_config(config):  # a config that cannot work is a ValueError in one sentence
+
+def check_config(config):
+    """The config itself, or a ValueError in one sentence if it cannot work."""
     if config.n_embd % config.n_head:
         raise ValueError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
     if config.vocab_size < GPT2_VOCAB:
@@ -55,8 +82,12 @@ def check_config(config):  # a config that cannot work is a ValueError in one se
         raise ValueError(f"--recompute {config.recompute} must be between 1 and the {config.n_layer} layers")
     return config
 
+
 # --- 2. attention: causal self-attention of (B, H, T, D) tensors, one function per implementation
-def naive_attention(q, k, v):  # the (T, T) scores and probabilities kept for backward: what FlashAttention removes
+
+def naive_attention(q, k, v):
+    """Attention as the formula reads: the (T, T) scores and probabilities are kept for backward, which is what
+    FlashAttention removes."""
     from torch.autograd.profiler import record_function  # ranges for bench_e2e.py's profile
     T = q.size(-2)
     with record_function("attention scores"):
@@ -68,27 +99,43 @@ def naive_attention(q, k, v):  # the (T, T) scores and probabilities kept for ba
     with record_function("final matmul"):
         return probs @ v
 
-def sdpa_attention(q, k, v):  # SDPA picks the fastest backend that runs the inputs (cuDNN on an H100)
+
+def sdpa_attention(q, k, v):
+    """PyTorch's scaled_dot_product_attention: it picks the fastest backend that runs the inputs (cuDNN on an H100)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-def pinned_sdpa(backend):  # raises rather than fall back: a benchmark of "flash" really measured flash
+
+def pinned_sdpa(backend):
+    """SDPA with one backend only. It raises rather than fall back, so a benchmark of "flash" really measured flash."""
     def attend(q, k, v):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         with sdpa_kernel(getattr(SDPBackend, backend)):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return attend
 
-def triton_attention(q, k, v):  # flash_triton.py, this repo's FlashAttention in Triton
+
+def triton_attention(q, k, v):
+    """flash_triton.py: this repository's FlashAttention-2 in Triton."""
     from flash_triton import flash_attention
     return flash_attention(q, k, v, causal=True)
 
+
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                  "math": "MATH"}
-ATTENTION = {"naive": naive_attention, "sdpa": sdpa_attention,
-             **{name: pinned_sdpa(backend) for name, backend in SDPA_BACKENDS.items()}, "triton": triton_attention}
+ATTENTION = {  # --attn NAME
+    "naive": naive_attention,
+    "sdpa": sdpa_attention,
+    "flash": pinned_sdpa("FLASH_ATTENTION"),
+    "cudnn": pinned_sdpa("CUDNN_ATTENTION"),
+    "efficient": pinned_sdpa("EFFICIENT_ATTENTION"),
+    "math": pinned_sdpa("MATH"),
+    "triton": triton_attention,
+}
 GPU_ONLY_ATTENTION = ("cudnn", "efficient", "triton")
 
+
 # --- 3. the model
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -98,10 +145,16 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        return self.c_proj(self.attend(q, k, v).transpose(1, 2).reshape(B, T, C))
+        B, T, C = x.shape  # batch, time (tokens), channels (n_embd)
+        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
+        H = self.n_head
+        q = q.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D): a head is a batch of its own to the matmuls
+        k = k.view(B, T, H, C // H).transpose(1, 2)
+        v = v.view(B, T, H, C // H).transpose(1, 2)
+        y = self.attend(q, k, v)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)  # the heads side by side again: (B, T, C)
+        return self.c_proj(y)
+
 
 class MLP(nn.Module):
     def __init__(self, config):
@@ -112,7 +165,10 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's GELU
 
+
 class Block(nn.Module):
+    """Pre-LayerNorm: the residual stream x is never normalized itself, only what each branch reads."""
+
     def __init__(self, config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd)
@@ -124,7 +180,11 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
+
 class GPT(nn.Module):
+    """GPT-2: token and position embeddings, n_layer blocks, a final LayerNorm, the output layer tied to the token
+    embedding. forward(idx, targets) returns (logits, loss); training with the fused loss returns no logits."""
+
     def __init__(self, config):
         super().__init__()
         check_config(config)
@@ -168,18 +228,24 @@ class GPT(nn.Module):
         return logits.detach(), F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):  # never a padding token
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """idx (B, T) extended by max_new_tokens sampled tokens; never a padding token (ids from GPT2_VOCAB on)."""
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.config.block_size :])[0][:, -1, :].float() / temperature
+            context = idx[:, -self.config.block_size:]  # the last block_size tokens at most
+            logits, _ = self(context)  # (B, T, vocab)
+            logits = logits[:, -1, :].float() / temperature  # the next token's: (B, vocab)
             logits[:, GPT2_VOCAB:] = float("-inf")
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, GPT2_VOCAB)).values[:, -1:]
                 logits[logits < kth] = float("-inf")
-            idx = torch.cat([idx, torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)], dim=1)
+            next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)  # (B, 1)
+            idx = torch.cat([idx, next_token], dim=1)
         return idx
+
 
 # --- 4. the output layer and the loss, fused over chunks of rows: the [N, V] logits (1.6 GB in bf16 at N=16,384)
 # never exist. A kernel turns each chunk's logits into their gradient, at once multiplied into dx and dW, in forward.
+
 @triton.jit
 def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, n_valid, n_cols, BLOCK: tl.constexpr):
     # One program per row: its loss, then softmax - onehot over the logits (columns from n_valid on: padding, 0).
@@ -203,7 +269,9 @@ def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, n_valid, n_co
         grad = tl.where(cols == target, grad - 1.0, grad)
         tl.store(row + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < n_cols)
 
-def chunk_loss_and_grad(logits, targets, n_valid):  # the kernel on a GPU; on a CPU its reference
+
+def chunk_loss_and_grad(logits, targets, n_valid):
+    """Each row's loss; the logits are overwritten by their gradient. The kernel on a GPU; on a CPU its reference."""
     if logits.is_cuda:
         losses = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
         _cross_entropy_rows[(logits.shape[0],)](logits, targets, losses, logits.stride(0), n_valid,
@@ -218,11 +286,14 @@ def chunk_loss_and_grad(logits, targets, n_valid):  # the kernel on a GPU; on a 
     logits[:, n_valid:] = 0
     return losses
 
+
 class LinearCrossEntropy(torch.autograd.Function):
     """mean_i cross_entropy(x_i W^T, y_i) with its gradients for x and W computed in forward."""
     @staticmethod
-    def forward(ctx, x, weight, targets, chunk_rows):  # matmuls in the autocast dtype, as nn.Linear's
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    def forward(ctx, x, weight, targets, chunk_rows):
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):  # the matmuls in the autocast dtype, as nn.Linear's would be
+            dtype = torch.get_autocast_dtype(x.device.type)
         xc, w = x.to(dtype), weight.to(dtype)
         N, n_valid = x.shape[0], min(GPT2_VOCAB, weight.shape[0])
         losses, dx, dw = [], torch.empty_like(x), torch.zeros_like(weight, dtype=dtype)
@@ -243,19 +314,34 @@ class LinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss / ctx.n_rows
         return dx * scale, dw * scale, None, None
 
+
 CE_CHUNK_ROWS = 8192  # rows enough for efficient matmuls
-def linear_cross_entropy(x, weight, targets, chunk_rows=None):  # (N, d) hidden states, (N,) targets
+
+
+def linear_cross_entropy(x, weight, targets, chunk_rows=None):
+    """The mean cross-entropy of x @ weight.T against targets: x (N, d) hidden states, targets (N,)."""
     return LinearCrossEntropy.apply(x, weight, targets, chunk_rows or CE_CHUNK_ROWS)
 
-# --- 5. FP8 matmuls (H100/H200), twice the bf16 rate: e4m3 activations and weights, e5m2 gradients, amax scales
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-def to_fp8(t, dtype):  # (t scaled into dtype's range and cast, the inverse scale)
-    amax = t.detach().abs().amax().float().clamp(min=1e-12)
-    scale = torch.finfo(dtype).max / amax
-    return (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), scale.reciprocal()
 
-def fp8_mm(a8, a_inv, b8, b_inv):  # a (M, K) row-major, b (K, N) column-major, bf16 out
+# --- 5. FP8 matmuls (H100/H200), twice the bf16 rate: e4m3 activations and weights, e5m2 gradients, amax scales
+
+E4M3 = torch.float8_e4m3fn  # 3 mantissa bits, max 448: activations and weights
+E5M2 = torch.float8_e5m2  # 2 mantissa bits, max 57344: gradients, whose range is wider
+
+
+def to_fp8(t, dtype):
+    """(t scaled so its largest magnitude lands at dtype's max and cast, the inverse scale to undo it)."""
+    amax = t.detach().abs().amax().float().clamp(min=1e-12)
+    fp8_max = torch.finfo(dtype).max
+    scale = fp8_max / amax
+    scaled = (t.float() * scale).clamp(-fp8_max, fp8_max)
+    return scaled.to(dtype), scale.reciprocal()
+
+
+def fp8_mm(a8, a_inv, b8, b_inv):
+    """a (M, K) row-major times b (K, N) column-major (what the FP8 tensor cores take), bf16 out."""
     return torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
+
 
 class Fp8Matmul(torch.autograd.Function):
     """y = x W^T with all three matmuls of a Linear (forward, dX, dW) in FP8."""
@@ -274,20 +360,30 @@ class Fp8Matmul(torch.autograd.Function):
         dw = fp8_mm(dy8.t().contiguous(), dy_inv, x8.t().contiguous().t(), x_inv)
         return dx, dw.float()
 
+
 class Fp8Linear(nn.Linear):
     """nn.Linear whose matmuls run in FP8; weight and bias stay fp32 (the optimizer's copy)."""
     def forward(self, x):
-        y = Fp8Matmul.apply(x.flatten(0, -2), self.weight).unflatten(0, x.shape[:-1])
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        y = Fp8Matmul.apply(x.flatten(0, -2), self.weight)  # (tokens, out): the batch dims flattened
+        y = y.unflatten(0, x.shape[:-1])  # back to (..., out)
+        if self.bias is None:
+            return y
+        return y + self.bias.to(y.dtype)
+
 
 # FP8 for a block's Linears both ways >= FP8_MIN_WIDTH: narrower ones don't repay the scaling; lm_head: fused loss
 FP8_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 FP8_MIN_WIDTH = 2048
+
+
 def fp8_supported(device):
+    """FP8 tensor cores: compute capability 8.9 (Ada) and up, H100 and H200 included."""
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
-def use_fp8(model, min_width=FP8_MIN_WIDTH):  # FP8_LAYERS >= min_width both ways: [(name, in, out, converted)]
+
+def use_fp8(model, min_width=FP8_MIN_WIDTH):
+    """Turns the FP8_LAYERS at least min_width wide both ways into Fp8Linear: [(name, in, out, converted)]."""
     plan = []
     for name, m in model.named_modules():
         if type(m) is nn.Linear and name.endswith(FP8_LAYERS):
@@ -297,19 +393,30 @@ def use_fp8(model, min_width=FP8_MIN_WIDTH):  # FP8_LAYERS >= min_width both way
             plan.append((name, m.in_features, m.out_features, chosen))
     return plan
 
-# ====== The shared tools: optimizer, compilation, FSDP2, a training step, FLOPs and MFU, tokenizer, timer, helpers
+
+# ====================================================================================================================
+# Part 2: the shared tools: optimizer, compilation, FSDP2, a training step, FLOPs and MFU, tokenizer, timer, helpers
+# ====================================================================================================================
+
 # --- 6. optimizer, compilation, sharding and one training step
+
 def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
-    # weight decay on matrices and embeddings, not biases or LayerNorm gains; fused: a few kernels for all
+    """AdamW with weight decay on matrices and embeddings, not on biases or LayerNorm gains; fused on a GPU (a few
+    kernels for all the parameters instead of a dozen per parameter)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=all(p.is_cuda for p in params))
 
-def compile_model(model, cuda_graphs=False):  # CUDA graphs: one GPU, no grad accumulation (a replay overwrites grads)
+
+def compile_model(model, cuda_graphs=False):
+    """torch.compile; CUDA graphs only on one GPU without gradient accumulation (a replay overwrites the grads).
+    PDL lets a kernel's prologue start while the one before it finishes."""
     return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
 
-def fully_shard_gpt(model, param_dtype=None):  # per block: one block's all-gather overlaps the last one's compute
+
+def fully_shard_gpt(model, param_dtype=None):
+    """FSDP2 per block, then the whole model: one block's all-gather overlaps the block before it's compute."""
     from torch.distributed import get_world_size
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -318,6 +425,7 @@ def fully_shard_gpt(model, param_dtype=None):  # per block: one block's all-gath
     for block in model.h:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
+
 
 def clip_gradients(model, optimizer, max_norm):  # the global norm; gradients scaled to max_norm above it (0: never)
     # a fused AdamW divides each gradient by grad_scale as it reads it: a pass saved. FSDP's norm is a DTensor
@@ -354,42 +462,87 @@ def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, m
     return loss.detach()
 
 # --- 7. FLOPs and MFU
+
 def flops_per_token(config, seq_len):
-    # 6 per matmul parameter (2 forward, 4 backward) plus attention's QK^T and PV, 12 L d T, unhalved, as PaLM counts
+    """Training FLOPs per token: 6 per matmul parameter (2 forward, 4 backward) plus attention's QK^T and PV,
+    12 L d T, not halved for the causal mask, as PaLM counts."""
     d, L = config.n_embd, config.n_layer
     matmul_params = L * (4 * d * d + 2 * d * config.d_ff) + config.vocab_size * d
     return 6 * matmul_params + 12 * L * d * seq_len
 
-GPU_PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
-                  ("GH200", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12))
-def gpu_peak_flops(device):  # dense bf16 FLOP/s of the first key in the GPU's name ("H100": the SXM part), or None
+
+GPU_PEAK_FLOPS = (  # dense bf16 FLOP/s; the first key found in the GPU's name wins ("H100" alone: the SXM part)
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+)
+
+
+def gpu_peak_flops(device):
+    """The detected GPU's dense bf16 peak in FLOP/s, or None for a CPU or a GPU not in the table."""
     if torch.device(device).type != "cuda":
         return None
-    return next((peak for key, peak in GPU_PEAK_FLOPS if key in torch.cuda.get_device_name(device)), None)
+    name = torch.cuda.get_device_name(device)
+    for key, peak in GPU_PEAK_FLOPS:
+        if key in name:
+            return peak
+    return None
 
-def mfu(flops_per_s, device):  # of the bf16 peak, for fp32 and FP8 runs too, as is customary; None, never a guess
-    return None if (peak := gpu_peak_flops(device)) is None else flops_per_s / peak
+
+def mfu(flops_per_s, device):
+    """Model FLOPs utilization against the bf16 peak, for fp32 and FP8 runs too, as is customary; None, never a
+    guess, where the peak is unknown."""
+    peak = gpu_peak_flops(device)
+    if peak is None:
+        return None
+    return flops_per_s / peak
+
 
 def fmt_mfu(value):
-    return "n/a" if value is None else f"{100 * value:.1f}%"
+    if value is None:
+        return "n/a"
+    return f"{100 * value:.1f}%"
 
-def step_bytes(config, B, T, bf16):  # a train step's peak, about: 16 bytes a parameter (weights, gradients, moments),
-    # ~(34 d + 5 H T) bytes a token a layer in 16-bit (Korthikanti 2022; fp32 2x), fp32 logits (fused: one chunk)
+
+def step_bytes(config, B, T, bf16):
+    """A train step's peak memory, roughly, for the host-memory check: 16 bytes a parameter (weights, gradients, two
+    AdamW moments), ~(34 d + 5 H T) bytes a token a layer of activations in 16-bit (Korthikanti et al. 2022; twice
+    that in fp32), and fp32 logits (with the fused loss: one chunk of rows, and no gradient copy)."""
     with torch.device("meta"):
         params = GPT(config).num_params()
-    acts = config.n_layer * B * T * (34 * config.n_embd + 5 * config.n_head * T) * (1 if bf16 else 2)
-    return 16 * params + acts + (min(B * T, CE_CHUNK_ROWS) if config.fused_ce else 2 * B * T) * config.vocab_size * 4
+    bytes_per_value = 1 if bf16 else 2  # the 34 d + 5 H T is already counted in 16-bit bytes
+    activations = config.n_layer * B * T * (34 * config.n_embd + 5 * config.n_head * T) * bytes_per_value
+    logit_rows = 2 * B * T  # the logits and their gradient
+    if config.fused_ce:
+        logit_rows = min(B * T, CE_CHUNK_ROWS)
+    return 16 * params + activations + logit_rows * config.vocab_size * 4
+
 
 # --- 8. tokenizer and data
+
 R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-def gpt2_tokenizer(bpe_dir=os.path.join(HERE, "gpt2_bpe")):  # tiktoken's "gpt2" from the repo's files: offline
+BPE_DIR = os.path.join(HERE, "gpt2_bpe")
+INPUT_TXT = os.path.join(HERE, "input.txt")
+
+
+def gpt2_tokenizer(bpe_dir=BPE_DIR):
+    """tiktoken's "gpt2" encoding built from the repository's BPE files: no download."""
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    ranks = data_gym_to_mergeable_bpe_ranks(*(os.path.join(bpe_dir, n) for n in ("vocab.bpe", "encoder.json")))
+    vocab_bpe = os.path.join(bpe_dir, "vocab.bpe")
+    encoder_json = os.path.join(bpe_dir, "encoder.json")
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json)
     return tiktoken.Encoding(name="gpt2", pat_str=R50K_PATTERN, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": GPT2_VOCAB - 1}, explicit_n_vocab=GPT2_VOCAB)
 
-def load_tokens(path=os.path.join(HERE, "input.txt")):  # the text as a 1-D int64 tensor of GPT-2 tokens
+
+def load_tokens(path=INPUT_TXT):
+    """The text as a 1-D int64 tensor of GPT-2 tokens."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing; it holds the training text (Tiny Shakespeare)")
     try:
@@ -399,19 +552,26 @@ def load_tokens(path=os.path.join(HERE, "input.txt")):  # the text as a 1-D int6
         raise ValueError(f"{path} is not UTF-8 text (was a checkpoint or binary file written over it?)") from None
     return torch.tensor(gpt2_tokenizer().encode_ordinary(text), dtype=torch.long)
 
+
 # --- 9. the one timer: variants in rounds (A B C, B C A, ...) as a shared GPU's speed drifts; ratios paired per round
-def clock(device):  # on a GPU an event queued behind the work already queued: it fires when the GPU gets there
+
+def clock(device):
+    """A time stamp. On a GPU, an event queued behind the work already queued: it fires when the GPU gets there,
+    so the host never waits to take it."""
     if torch.device(device).type != "cuda":
         return time.perf_counter()
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
 
-def elapsed_ms(start, end):  # waits for the GPU to reach `end`
+
+def elapsed_ms(start, end):
+    """Milliseconds between two clock() stamps; on a GPU this waits for the GPU to reach `end`."""
     if isinstance(end, float):
         return (end - start) * 1e3
     end.synchronize()
     return start.elapsed_time(end)
+
 
 @dataclass
 class Timing:
@@ -433,7 +593,10 @@ class Timing:
         return f"{self.mean:.{digits}f} ± {self.std:.{digits}f}"
 
     def vs(self):
-        return "-" if self.ratio is None else f"{self.ratio:.3f}x ({self.ratio_low:.3f}-{self.ratio_high:.3f})"
+        if self.ratio is None:
+            return "-"
+        return f"{self.ratio:.3f}x ({self.ratio_low:.3f}-{self.ratio_high:.3f})"
+
 
 def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progress=None):
     """({name: [ms per step, a round each] or None (OOM)}, {name: peak bytes}) for {name: fn queueing a step}. The
@@ -466,7 +629,10 @@ def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progr
             for _ in range(steps):
                 variants[name]()
             marks.append((name, start, clock(device)))
-        (sync or (lambda: synchronize(device)))()
+        if sync is None:
+            synchronize(device)
+        else:
+            sync()
         for name, start, end in marks:
             times[name].append(elapsed_ms(start, end) / steps)
         PROGRESS["doing"] = f"timing: {r + 1} of {rounds} rounds done"
@@ -474,7 +640,12 @@ def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progr
             progress(r)
     return times, peaks
 
-def lazily(make, device, held=lambda: 0, note=None):
+
+def nothing_held():
+    return 0
+
+
+def lazily(make, device, held=nothing_held, note=None):
     """A variant made by make() at its first call, in the warm-up: an OOM marks it alone. state["others"]: bytes
     the others held then (max_memory_allocated covers the whole process)."""
     state = {}
@@ -492,7 +663,9 @@ def lazily(make, device, held=lambda: 0, note=None):
     variant.state = state
     return variant
 
-def summarize(times, baseline=None, peaks=None):  # {name: Timing or None}; ratios to `baseline` paired per round
+
+def summarize(times, baseline=None, peaks=None):
+    """{name: Timing, or None for a variant that ran out of memory}; ratios to `baseline` paired per round."""
     out, base, peaks = {}, times.get(baseline), peaks or {}
     for name, ms in times.items():
         if ms is None:  # out of memory in its warm-up
@@ -505,18 +678,24 @@ def summarize(times, baseline=None, peaks=None):  # {name: Timing or None}; rati
             t.ratio, t.ratio_low, t.ratio_high = statistics.median(ratios), min(ratios), max(ratios)
     return out
 
+
 def compare(variants, device, baseline=None, rounds=20, steps=3, warmup=2, progress=None):
+    """time_rounds then summarize: {name: Timing or None}."""
     times, peaks = time_rounds(variants, device, rounds, steps, warmup, progress=progress)
     return summarize(times, baseline, peaks)
 
-# --- 10. small helpers: device, precision, memory, errors, paths, tables
-# --- flags: argparse `type=` helpers, the one way every script validates a number. A bad value is argparse's
-# own error: one sentence naming the flag as the last line, exit status 2, no traceback.
+# --- 10. small helpers: flags, device, precision, memory, errors, paths, tables
+
+# Flags: argparse `type=` helpers, the one way every script validates a number. A bad value is argparse's own error:
+# one sentence naming the flag as the last line, exit status 2, no traceback.
 def _number(text, kind):
     try:
         value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got '{text}'")
+        what = "a number"
+        if kind is int:
+            what = "an integer"
+        raise argparse.ArgumentTypeError(f"expected {what}, got '{text}'") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got '{text}'")
     return value
@@ -588,12 +767,20 @@ def saved_tensor_bytes(fn, exclude=()):
 def round_up(n, multiple):  # round_up(50257, 128) == 50304
     return (n + multiple - 1) // multiple * multiple
 
-def fail(message):  # bad input: one sentence and exit status 2, no traceback
+
+
+def fail(message):
+    """Bad input: one sentence and exit status 2, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
-def resolve_device(name=None):  # cpu, cuda or cuda:N (default: the best there is) as an indexed device, or ValueError
-    name = name or ("cuda" if torch.cuda.is_available() else "cpu")
+
+def resolve_device(name=None):
+    """cpu, cuda or cuda:N (default: a GPU if there is one) as an indexed torch.device, or a ValueError."""
+    if not name:
+        name = "cpu"
+        if torch.cuda.is_available():
+            name = "cuda"
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -608,27 +795,49 @@ def resolve_device(name=None):  # cpu, cuda or cuda:N (default: the best there i
         raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
     return device
 
+
 def amp_dtype(bf16=False, fp16=False):
+    """The autocast dtype of --bf16 / --fp16, or None for fp32."""
     if bf16 and fp16:
         raise ValueError("--bf16 and --fp16 are exclusive; pick one")
-    return torch.bfloat16 if bf16 else torch.float16 if fp16 else None
+    if bf16:
+        return torch.bfloat16
+    if fp16:
+        return torch.float16
+    return None
+
 
 def autocast(device, dtype):
-    return nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
+    """torch.autocast to dtype, or nothing for dtype None (fp32)."""
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
 
-def set_tf32(enabled):  # torch warns if fp32_precision and set_float32_matmul_precision are mixed: one or the other
+
+def set_tf32(enabled):
+    """TF32 tensor cores for fp32 matmuls and convolutions. Torch warns if its two switches (fp32_precision, newer,
+    and set_float32_matmul_precision) are mixed, so this uses the newer one where it exists, else the older."""
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):
-        matmul.fp32_precision = "tf32" if enabled else "ieee"
-        torch.backends.cudnn.conv.fp32_precision = "tf32" if enabled else "ieee"
+        precision = "ieee"
+        if enabled:
+            precision = "tf32"
+        matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
+    elif enabled:
+        torch.set_float32_matmul_precision("high")
     else:
-        torch.set_float32_matmul_precision("high" if enabled else "highest")
+        torch.set_float32_matmul_precision("highest")
+
 
 def synchronize(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
-def check_output_path(path, flag, ours=None):  # before any work: a bad path costs seconds; ours(path): a file we wrote
+
+def check_output_path(path, flag, ours=None):
+    """A ValueError unless `path` can be written, checked before any work (a bad path should cost seconds, not a
+    run). ours(path): whether an existing file is one this script wrote, so others are never overwritten."""
     if not path:
         raise ValueError(f"{flag} needs a file name")
     if os.path.isdir(path):
@@ -647,10 +856,14 @@ def check_output_path(path, flag, ours=None):  # before any work: a bad path cos
     except OSError as e:
         raise ValueError(f"{flag} {path} cannot be written there: {e.strerror or e}") from None
 
-# Ctrl-C and SIGTERM: one line, exit 130 / 143, no traceback, saying what finished (tables printed, the timer's note)
-PROGRESS = {"tables": 0, "doing": "starting"}
+
+PROGRESS = {"tables": 0, "doing": "starting"}  # what run_main reports if interrupted: tables printed, the timer's note
+
+
 def run_main(main):
+    """main() with Ctrl-C and SIGTERM as one line, exit 130 / 143, no traceback, saying what finished."""
     import signal
+
     def on_term(signum, frame):
         raise KeyboardInterrupt(signum)
     signal.signal(signal.SIGTERM, on_term)
@@ -662,36 +875,67 @@ def run_main(main):
               "table(s) above are complete, the rest did not run", file=sys.stderr)
         raise SystemExit(128 + signum) from None
 
+
 def is_oom(error):
-    text = str(error).lower()  # cuBLAS and some kernels raise a RuntimeError; the CPU says "not enough memory"
+    """Whether an exception is out-of-memory: cuBLAS and some kernels raise a plain RuntimeError, and the CPU's
+    allocator says "not enough memory"."""
+    text = str(error).lower()
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "not enough memory" in text
 
+
 def free_memory():
-    __import__("gc").collect()  # the cycles that keep tensors alive first, then the allocator's free blocks
+    """Collect the reference cycles that keep tensors alive first, then return the allocator's free blocks."""
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
 
 def gib(nbytes):
     return f"{nbytes / 2**30:.2f}"
 
+
+def available_host_bytes():
+    """MemAvailable from /proc/meminfo (Linux), or None where there is no such file."""
+    if not os.path.exists("/proc/meminfo"):
+        return None
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the file counts in KiB
+    return None
+
+
 def check_host_memory(need, what, hint="lower --batch or --seq, or use a smaller --model"):
-    """CPU: refuse what the OOM killer would end without a word (exit 137). hint: words, or words from free bytes."""
-    info = open("/proc/meminfo").read().split() if os.path.exists("/proc/meminfo") else []  # Linux; elsewhere no check
-    if "MemAvailable:" in info and need > (free := int(info[info.index("MemAvailable:") + 1]) * 1024):
-        fail(f"{what} needs about {gib(need)} GiB of this machine's memory and {gib(free)} GiB are free; "
-             f"{hint(free) if callable(hint) else hint}")
+    """On the CPU: refuse what the OOM killer would end without a word (exit 137). hint: words, or a function of
+    the free bytes returning words."""
+    free = available_host_bytes()
+    if free is None or need <= free:
+        return
+    if callable(hint):
+        hint = hint(free)
+    fail(f"{what} needs about {gib(need)} GiB of this machine's memory and {gib(free)} GiB are free; {hint}")
+
 
 def print_table(headers, rows):
+    """An aligned plain-text table: the first column left-aligned, the others right-aligned, a rule under the
+    header."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for n, row in enumerate(cells):
-        print("  ".join(c.ljust(w) if i == 0 or n == 0 else c.rjust(w)
-                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        line = []
+        for i, (cell, width) in enumerate(zip(row, widths)):
+            if i == 0 or n == 0:
+                line.append(cell.ljust(width))
+            else:
+                line.append(cell.rjust(width))
+        print("  ".join(line).rstrip())
         if n == 0:
             print("  ".join("-" * w for w in widths))
     PROGRESS["tables"] += 1
 
-def plot_to(path):  # pyplot for a --plot PNG: matplotlib is imported only then
+
+def plot_to(path):
+    """pyplot for a --plot PNG, after checking the path: matplotlib is imported only then."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -701,34 +945,46 @@ def plot_to(path):  # pyplot for a --plot PNG: matplotlib is imported only then
     check_output_path(path, "--plot")
     return plt
 
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="The GPT-2 presets: parameters, and where they and the FLOPs are.")
     p.add_argument("--model", choices=PRESETS, help="one preset in detail")
-    p.add_argument("--vocab", type=int, default=GPT2_VOCAB, help="vocabulary size (50304 pads to a multiple of 128)")
-    p.add_argument("--seq", type=int, help="context for the FLOPs per token (default: the block size)")
+    p.add_argument("--vocab", type=int_in(GPT2_VOCAB), default=GPT2_VOCAB,
+                   help="vocabulary size (50304 pads to a multiple of 128)")
+    p.add_argument("--seq", type=int_in(1), help="context for the FLOPs per token (default: the block size)")
     args = p.parse_args(argv)
-    try:
-        configs = {name: make_config(name, vocab_size=args.vocab) for name in ([args.model] if args.model else PRESETS)}
-    except ValueError as e:
-        fail(str(e))
-    if args.seq is not None and not 1 <= args.seq <= min(c.block_size for c in configs.values()):
-        fail(f"--seq must be between 1 and the block size, got {args.seq}")
+    names = list(PRESETS)
+    if args.model:
+        names = [args.model]
+    configs = {name: make_config(name, vocab_size=args.vocab) for name in names}
+    shortest_block = min(c.block_size for c in configs.values())
+    if args.seq is not None and args.seq > shortest_block:
+        fail(f"--seq must be between 1 and the block size {shortest_block}, got {args.seq}")
+    rows = []
     with torch.device("meta"):  # count parameters without allocating them
-        rows = [[name, c.n_layer, c.n_head, c.n_embd, c.d_ff, f"{GPT(c).num_params():,}",
-                 f"{flops_per_token(c, args.seq or c.block_size) / 1e9:.2f}"] for name, c in configs.items()]
+        for name, c in configs.items():
+            seq = args.seq or c.block_size
+            rows.append([name, c.n_layer, c.n_head, c.n_embd, c.d_ff, f"{GPT(c).num_params():,}",
+                         f"{flops_per_token(c, seq) / 1e9:.2f}"])
     print_table(["preset", "layers", "heads", "d_model", "d_ff", f"params (vocab {args.vocab})", "train GFLOP/token"],
                 rows)
     if args.model:
-        c, d = configs[args.model], configs[args.model].n_embd
-        parts = {"token embedding = output layer (tied)": c.vocab_size * d, "position table": c.block_size * d,
-                 f"{c.n_layer} x attention (qkv, proj)": c.n_layer * (4 * d * d + 4 * d),
-                 f"{c.n_layer} x MLP": c.n_layer * (2 * d * c.d_ff + c.d_ff + d),
-                 "LayerNorms": (2 * c.n_layer + 1) * 2 * d}
+        c = configs[args.model]
+        d = c.n_embd
+        parts = {  # weights and biases of each kind
+            "token embedding = output layer (tied)": c.vocab_size * d,
+            "position table": c.block_size * d,
+            f"{c.n_layer} x attention (qkv, proj)": c.n_layer * (4 * d * d + 4 * d),
+            f"{c.n_layer} x MLP": c.n_layer * (2 * d * c.d_ff + c.d_ff + d),
+            "LayerNorms": (2 * c.n_layer + 1) * 2 * d,
+        }
+        total = sum(parts.values())
         print()
         print_table(["where the parameters are", "parameters", "share"],
-                    [[k, f"{n:,}", f"{100 * n / sum(parts.values()):.1f}%"] for k, n in parts.items()])
+                    [[k, f"{n:,}", f"{100 * n / total:.1f}%"] for k, n in parts.items()])
     print("parameter counts include the tied embedding once and the position table; FLOPs: 6 per matmul "
           "parameter plus attention, at the block size unless --seq")
+
 
 if __name__ == "__main__":
     main()

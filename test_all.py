@@ -237,7 +237,8 @@ def test_config_and_device_errors():
     for name, says in [("banana", "cuda:N"), ("tpu", "cuda:N"), ("mps", "cuda:N"), ("cuda:x", "cuda:N"),
                        ("cuda:7" if HAS_CUDA else "cuda", "GPU")]:
         assert_raises(says, gpt.resolve_device, name)
-    check_bad_inputs("gpt.py", [("--model gpt5", "invalid choice"), ("--seq 0", "--seq must be between")])
+    check_bad_inputs("gpt.py", [("--model gpt5", "invalid choice"), ("--seq 0", "--seq: must be at least 1"),
+                                ("--seq 2048", "--seq must be between 1 and the block size 256")])
 
 def test_timer_interleaves_and_pairs():
     """Every variant runs in every round, the order rotating; per-round paired ratios read twice the work as ~2x."""
