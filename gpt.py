@@ -536,6 +536,10 @@ def gpt2_tokenizer(bpe_dir=BPE_DIR):
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     vocab_bpe = os.path.join(bpe_dir, "vocab.bpe")
     encoder_json = os.path.join(bpe_dir, "encoder.json")
+    for path in (vocab_bpe, encoder_json):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: the GPT-2 tokenizer's two files come with the repository "
+                                    f"in gpt2_bpe/; copy that folder beside gpt.py")
     ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json)
     return tiktoken.Encoding(name="gpt2", pat_str=R50K_PATTERN, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": GPT2_VOCAB - 1}, explicit_n_vocab=GPT2_VOCAB)
@@ -853,8 +857,9 @@ def check_output_path(path, flag, ours=None):
     try:
         open(probe, "wb").close()
         os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"{flag} {path} cannot be written there: {e.strerror or e}") from None
+    except OSError as e:  # e.g. /proc/x.png: the folder exists, but no file can be created in it
+        raise ValueError(f"{flag} {path} cannot be written there ({e.strerror or e}); "
+                         "choose a file in a folder you can write to") from None
 
 
 PROGRESS = {"tables": 0, "doing": "starting"}  # what run_main reports if interrupted: tables printed, the timer's note
@@ -869,8 +874,14 @@ def run_main(main):
     signal.signal(signal.SIGTERM, on_term)
     try:
         main()
+    except BrokenPipeError:  # `python script.py | head`: the reader left; end quietly, as `cat` would
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would raise again
+        raise SystemExit(141) from None  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
     except KeyboardInterrupt as e:
-        signum = e.args[0] if e.args else signal.SIGINT
+        signum = signal.SIGINT
+        if e.args:
+            signum = e.args[0]
         print(f"\ninterrupted ({signal.Signals(signum).name}) while {PROGRESS['doing']}: {PROGRESS['tables']} "
               "table(s) above are complete, the rest did not run", file=sys.stderr)
         raise SystemExit(128 + signum) from None
@@ -987,4 +998,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -309,6 +309,26 @@ def test_saved_tensor_bytes_counts_storages_once():
     q, k, v = qkv.split(16, dim=1)
     assert gpt.saved_tensor_bytes(lambda: ((q @ k.t()) @ v).sum(), exclude=[x]) == (8 * 48 + 8 * 8) * 4
 
+def test_missing_files_and_unwritable_paths_say_what():
+    """Missing tokenizer files name the folder they come from; a path where no file can be created says so."""
+    try:
+        gpt.gpt2_tokenizer(os.path.join(HERE, "no_such_folder"))
+        raise AssertionError("no error for a missing tokenizer folder")
+    except FileNotFoundError as e:
+        assert "copy that folder beside gpt.py" in str(e), e
+    assert_raises("choose a file in a folder you can write to", gpt.check_output_path, "/proc/x.png", "--plot")
+
+
+def test_output_into_head_ends_quietly():
+    """`script | head`: when the reader leaves, run_main ends without a BrokenPipeError traceback."""
+    code = "import gpt\ndef main():\n    for i in range(200000):\n        print('row', i)\ngpt.run_main(main)"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves after one line, as `head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 @gpu
 def test_fp8_linear_matches_bf16():
     """Each FP8 layer's output and gradients within 10% of bf16's (e4m3 and e5m2 round by a few percent)."""
