@@ -412,17 +412,18 @@ def test_train_gpu_recompute_fp8_fused_ce_compile():
 def test_bench_attention_sweep_saved_bytes_and_script():
     args = ba.parse_args(["--impl", "naive,flash,efficient,math", "--d", "16", "--seq", "32,64", "--rounds", "3",
                           "--steps", "1", "--warmup", "1", "--dtype", "fp32", "--causal", "--device", "cpu"])
-    results, _ = ba.run_sweep(args, ba.make_impls(args.impl, args.device), args.device, torch.float32)
+    device = torch.device("cpu")
+    sweep = ba.sweep_from(args, device)
+    results, _ = ba.run_sweep(sweep, ba.make_impls(sweep.impls, device), device)
     assert set(results) == {(16, 32), (16, 64)}, results
     for row in results.values():
         for t in (row[name][mode] for name in ("naive", "flash", "math") for mode in ("fwd", "both")):
             assert 0 < t.low <= t.median <= t.high and t.ratio_low <= t.ratio <= t.ratio_high, t
         assert row["flash"]["both"].ratio == 1.0  # the baseline against itself, round by round
         assert HAS_CUDA or row["efficient"] == ("n/a", "needs CUDA"), row["efficient"]  # n/a, not a crash
-    # what naive attention keeps for backward (one B*H*S*S matrix): predicted from the shapes = counted by hooks
+    # what naive attention keeps for backward (one B*H*S*S matrix): predicted from the shapes = gpt's counter
     for B, H, S, D, dtype in [(2, 3, 48, 16, torch.float32), (1, 2, 40, 8, torch.bfloat16)]:
-        q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=True) for _ in range(3))
-        measured = ba.measure_saved_bytes(gpt.naive_attention, q, k, v)
+        measured = ba.counted_saved_bytes(B, H, S, D, dtype, device)
         assert ba.naive_saved_bytes(B, H, S, D, dtype) == measured, (B, H, S, D, dtype, measured)
     with tempfile.TemporaryDirectory() as tmp:
         plot = ["--plot", os.path.join(tmp, "a.png")] if importlib.util.find_spec("matplotlib") else []
@@ -433,12 +434,13 @@ def test_bench_attention_sweep_saved_bytes_and_script():
 
 def test_bench_attention_bad_input():
     check_bad_inputs("bench_attention.py", [
-        ("--d 0", "--d values must be positive"), ("--seq 1k", "comma-separated integers"),
+        ("--d 0", "--d: must be at least 1"), ("--seq 1k", "--seq"), ("--seq 64,", "comma list"),
         ("--impl naive,bogus", "unknown implementation 'bogus'"), ("--device banana", "not a device"),
-        ("--rounds 0", "--rounds must be at least 1"), ("--steps 0", "--steps must be at least 1"),
-        ("--warmup -1", "non-negative"), ("--batch 0", "--batch"), ("--heads 0", "--heads"),
+        ("--rounds 0", "--rounds: must be at least 1"), ("--steps 0", "--steps: must be at least 1"),
+        ("--warmup -1", "--warmup: must be at least 0"), ("--batch 0", "--batch"), ("--heads 0", "--heads"),
         ("--impl flash --baseline naive", "--baseline naive"), ("--memory-fraction 1.5", "memory-fraction"),
-        ("--plot /nonexistent/a.png", "--plot"), ("--device cpu --batch 10000000", "of this machine's memory")])
+        ("--memory-fraction 0.5 --device cpu", "needs a CUDA device"), ("--plot /nonexistent/a.png", "--plot"),
+        ("--device cpu --batch 10000000", "of this machine's memory")])
 
 @gpu
 def test_bench_attention_oom_row_then_next_runs():
