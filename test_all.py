@@ -453,12 +453,14 @@ def test_bench_attention_oom_row_then_next_runs():
 
 # --- 4. precision.py: IEEE accumulation, autocast capture, LayerNorm overflow, FP8 scaling
 
+def ieee_sum(dtype, addend, n):  # numpy's add.accumulate adds one element at a time, rounding each sum to the dtype
+    return float(np.add.accumulate(np.full(n, addend, dtype=dtype))[-1])
+
 def test_precision_cpu_accumulate_autocast_layernorm_fp8():
     out, err = main_ok("precision.py", "--device", "cpu", "--model", "tiny", "--steps", 2, "--rounds", 2)
     assert all(f"== {n}. {name}" in out for n, name in enumerate(precision.SECTIONS, 1)), err + out
     assert out.count("takeaway") == 6 and out.count("skipped: needs CUDA") == 2 and "need FP8 tensor cores" in out
-    # numpy's add.accumulate adds one element at a time, rounding each sum to the dtype: IEEE's answer
-    ieee_sum = lambda dtype, addend, n: float(np.add.accumulate(np.full(n, addend, dtype=dtype))[-1])  # noqa: E731
+    assert list(precision.RUNS) == list(precision.SECTIONS)  # every section runs, in the documented order
     fp16_sum, accumulate, ulp = ieee_sum(np.float16, np.float16(0.01), 1000), precision.accumulate, precision.ulp
     assert accumulate(0.01, 1000, torch.float16)["total"] == fp16_sum != 10.0
     for cast in ("implicit", "explicit"):  # an fp32 sum of the rounded fp16 addend, either way
@@ -485,7 +487,8 @@ def test_precision_cpu_accumulate_autocast_layernorm_fp8():
     (tensor_err, tensor_low), (row_err, row_low) = round_trip(rows, E4M3), round_trip(rows, E4M3, True)
     assert row_err == 0 < tensor_err and row_low < tensor_low, (tensor_err, row_err, tensor_low, row_low)
     t = torch.randn(64, 96) * torch.logspace(-3, 3, 64)[:, None]  # against the computation written out
-    direct = ((t * (s := 448 / t.abs().max())).to(E4M3).float() / s - t).norm() / t.norm()
+    s = 448 / t.abs().max()
+    direct = ((t * s).to(E4M3).float() / s - t).norm() / t.norm()
     assert abs(round_trip(t, E4M3)[0] - direct.item()) < 1e-6 * direct.item()
     got = precision.capture_linear_tensors("tiny", 1, 16, torch.device("cpu"))  # hooks see (softmax - onehot) / N
     assert len(got) == 10 and got["lm_head output grad"].shape == (16, 50257), list(got)
@@ -494,11 +497,11 @@ def test_precision_cpu_accumulate_autocast_layernorm_fp8():
 def test_precision_bad_input():
     check_bad_inputs("precision.py", [
         ("--only nosuch", "unknown section 'nosuch'"), ("--only formats,nosuch", "choose from"),
-        ("--device banana", "not a device"), ("--device mps", "not supported"), ("--model gpt5", "unknown model"),
-        ("--models tiny,gpt5", "unknown model"), ("--batch 0", "--batch must be between"),
-        ("--seq 5000", "--seq must be between"), ("--seq 0", "--seq must be between"),
-        ("--steps 0", "--steps must be between"),
-        ("--rounds -1", "--rounds must be between"), ("--batch x", "invalid int value")])
+        ("--device banana", "not a device"), ("--device mps", "not supported"), ("--model gpt5", "invalid choice"),
+        ("--models tiny,gpt5", "unknown model 'gpt5'"), ("--batch 0", "--batch: must be at least 1"),
+        ("--batch 5000", "--batch: must be at most 4096"), ("--seq 5000", "--seq must be at most 1024"),
+        ("--seq 0", "--seq: must be at least 1"), ("--steps 0", "--steps: must be at least 1"),
+        ("--rounds -1", "--rounds: must be at least 1"), ("--batch x", "expected an integer")])
 
 @gpu
 def test_precision_gpu_sections_and_fp8_gemms():
@@ -507,7 +510,8 @@ def test_precision_gpu_sections_and_fp8_gemms():
     assert "autocast fp16 on cuda" in out and "skipped: needs CUDA" not in out and "OOM" not in out, out
     assert out.count("takeaway") >= 5 and "GradScaler" in out, out
     if gpt.fp8_supported("cuda"):  # every FP8 GEMM variant against bf16, within e4m3's few-percent rounding
-        ref = (ops := precision.gemm_variants(256, 128, 512, torch.device("cuda")))["bf16"]().float()
+        ops = precision.gemm_variants(256, 128, 512, torch.device("cuda"))
+        ref = ops["bf16"]().float()
         assert all(rel_err(op().float(), ref) < 0.1 for op in ops.values())
 
 # --- 5. bench_e2e.py: ladder, sweep, output GEMMs, profile, bad input
