@@ -731,7 +731,9 @@ def grid_summary(results, name):
             parts.append(f"{other} / ours {statistics.median(ratios):.3g}x (median of {len(ratios)} rows)")
     ooms = [f"{impl} {dtype} D{D} S{S}" for (dtype, D, S), cells in results.items() for impl, cell in cells.items()
             if "OOM" in cell.values()]
-    oom_text = f"OOM in {len(ooms)} cells, first {ooms[0]}" if ooms else "no OOM"
+    oom_text = "no OOM"
+    if ooms:
+        oom_text = f"OOM: {ooms[0]} and {len(ooms) - 1} more" if len(ooms) > 1 else f"OOM: {ooms[0]}"
     return f"summary: {GRID_PASSES[name]}: {'; '.join(parts) or 'nothing to compare'}; {oom_text}"
 
 

@@ -874,6 +874,35 @@ def test_flash_interpreter_reference_script_bad_input():
     # TRITON_INTERPRET=1 must be set before triton is imported: a fresh process (this one may have imported it)
     run("-c", "import test_all; test_all.flash_interpreted()", timeout=300, TRITON_INTERPRET="1")
 
+def grid_rows(out):  # the --grid tables' rows, split: dtype, D, S, a ms per implementation, the ratios
+    return [line.split() for line in out.splitlines() if re.match(r"(bf16|fp16|fp32) +\d+ +\d+ ", line)]
+
+def flash_grid_interpreted():
+    import flash_triton as ft
+    out, err = main_ok("flash_triton.py", "--grid", "--seqs", "16,32", "--dims", "16", "--dtypes", "fp32")
+    assert out.count("ours ms  pytorch ms  sdpa ms") == 3 and out.strip().splitlines()[-1].startswith("summary:"), out
+    rows = grid_rows(out)  # a row per (S, pass), a time from every implementation
+    assert [r[2] for r in rows] == ["16", "32"] * 3 and all(float(x) > 0 for r in rows for x in r[3:]), out
+    def plain_oom_at_32(q, k, v, causal):  # plain PyTorch out of memory at S=32 alone: the grid must go on
+        if q.shape[-2] == 32:
+            raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
+        return ft.plain_attention(q, k, v, causal)
+    with contextlib.redirect_stdout(io.StringIO()) as got:
+        ft.grid([16, 32, 64], [16], ["fp32"], ["bwd", "fwd"], None, {**ft.GRID_IMPLS, "pytorch": plain_oom_at_32})
+    rows = grid_rows(got.getvalue())  # fwd, then bwd: the passes in their order
+    assert [(r[2], r[4]) for r in rows if r[4] == "OOM" or r[6] == "n/a"] == [("32", "OOM")] * 2, got.getvalue()
+    assert all(float(r[3]) > 0 and float(r[5]) > 0 for r in rows), got.getvalue()  # ours and SDPA: every cell
+    assert got.getvalue().strip().endswith("; OOM: pytorch fp32 D16 S32"), got.getvalue()  # the summary names it
+    check_bad_inputs("flash_triton.py", [
+        ("--grid --seqs 100", "sequence length 100 is not a power of two"), ("--grid --seqs 0", "power of two"),
+        ("--grid --seqs 128,x", "'x' is not a whole number"), ("--grid --dims 48", "head dim 48 is not supported"),
+        ("--grid --dims 64,-1", "not a whole number"), ("--grid --dtypes fp64", "'fp64' is not one of"),
+        ("--grid --passes fwd,sideways", "'sideways' is not one of"), ("--seqs 128", "add --grid"),
+        ("--grid --shapes 1x1x64x64", "--shapes"), ("--grid --plot /nonexistent/a.png", "--plot")])
+
+def test_flash_grid_interpreter_cells_oom_bad_input():
+    run("-c", "import test_all; test_all.flash_grid_interpreted()", timeout=300, TRITON_INTERPRET="1")
+
 @gpu
 def test_flash_gpu_matches_reference(dtypes=(torch.float32, torch.float16, torch.bfloat16)):
     # full size, every dtype (or those asked for); D128 loads through TMA descriptors, the others by pointer
@@ -882,6 +911,13 @@ def test_flash_gpu_matches_reference(dtypes=(torch.float32, torch.float16, torch
                 [((2, 4, 1024, 64), (2, 4, 1024, 64), True), ((1, 3, 517, 32), (1, 3, 781, 32), False),
                  ((2, 1000, 128), (2, 1000, 128), True), ((1, 2, 300, 16), (1, 2, 300, 16), True),
                  ((2, 2, 3, 256, 64), (2, 2, 3, 256, 64), True)])
+
+@gpu
+def test_flash_grid_gpu_prints_every_cell():
+    out, _ = main_ok("flash_triton.py", "--grid", "--seqs", "256,1024", "--dims", "64", "--dtypes", "bf16,fp32")
+    rows = grid_rows(out)  # 2 dtypes x 2 seqs x 3 passes, every cell a time: nothing runs out of memory this small
+    assert len(rows) == 12 and all(len(r) == 8 and float(x) > 0 for r in rows for x in r[3:]), out
+    assert out.strip().splitlines()[-1].startswith("summary:") and "no OOM" in out, out
 
 @gpu
 def test_flash_torch_compile():
