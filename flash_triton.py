@@ -8,6 +8,7 @@ This file imports nothing from the repository: copy it and it runs.
 
     python flash_triton.py                 # the benchmark (on a CPU: the kernels vs the reference)
     python flash_triton.py --shapes 8x16x2048x64 --plot flash.png
+    python flash_triton.py --grid --plot grid.png   # the course's grid: ours, plain PyTorch, SDPA
 
     from flash_triton import FlashAttention, flash_attention
     o = FlashAttention.apply(q, k, v, True)        # (batch, seq, d), (batch, heads, seq, d), ...
@@ -670,8 +671,8 @@ def time_pass(name, f, q, k, v, do):
     return median_ms(backward)
 
 
-def time_cell(f, S, D, dtype, passes):
-    """{pass: median ms, or "OOM"} of f on one (1, 1, S, D) head per q, k, v; the inputs die with this frame."""
+def time_cell(impl, f, S, D, dtype, passes):
+    """{pass: median ms, "OOM" or "n/a"} of f on one (1, 1, S, D) head per q, k, v; the inputs die with this frame."""
     device = "cpu" if INTERPRETED else "cuda"
     q, k, v, do = (torch.randn(1, 1, S, D, device=device, dtype=dtype) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))  # the forward is timed as training runs it, saving for backward
@@ -681,18 +682,21 @@ def time_cell(f, S, D, dtype, passes):
             cell[name] = time_pass(name, f, q, k, v, do)
         except torch.OutOfMemoryError:  # plain PyTorch's (S, S) matrices at long S: a cell, and the grid goes on
             cell[name] = "OOM"
+        except RuntimeError as e:  # a backend that refuses these inputs: a cell too, and the reason
+            cell[name] = "n/a"
+            print(f"  n/a: {impl} {name} at S{S} D{D} {dtype}: {str(e).strip().splitlines()[0][:120]}", flush=True)
         if not INTERPRETED:  # after the except block, whose traceback held the failed pass's tensors
             torch.cuda.empty_cache()
     return cell
 
 
 def run_grid(seqs, dims, dtypes, passes, impls):
-    """{(dtype, D, S): {impl: {pass: ms or "OOM"}}}, a progress line per row."""
+    """{(dtype, D, S): {impl: {pass: ms, "OOM" or "n/a"}}}, a progress line per row."""
     keys = [(dtype, D, S) for dtype in dtypes for D in dims for S in seqs]
-    results = {}
+    results, last = {}, passes[-1]
     for i, (dtype, D, S) in enumerate(keys, 1):
-        row = results[dtype, D, S] = {name: time_cell(f, S, D, DTYPES[dtype], passes) for name, f in impls.items()}
-        last = passes[-1]
+        row = {name: time_cell(name, f, S, D, DTYPES[dtype], passes) for name, f in impls.items()}
+        results[dtype, D, S] = row
         done = ", ".join(f"{name} {fmt_ms(cell[last])}" for name, cell in row.items())
         print(f"  [{i}/{len(keys)}] {dtype} D{D} S{S} {last} ms: {done}", flush=True)
     return results
