@@ -653,22 +653,13 @@ def median_ms(fn):
 
 
 def time_pass(name, f, q, k, v, do):
-    """Median ms of one pass of causal attention f. The backward alone replays the graph of one forward
-    (retain_graph keeps it for the next call); autograd.grad accumulates no .grad."""
-    def forward():
-        return f(q, k, v, True)
-
-    def forward_backward():
-        return torch.autograd.grad(f(q, k, v, True), (q, k, v), do)
+    """Median ms of one pass of causal attention f; autograd.grad, unlike .backward(), accumulates no .grad."""
     if name == "fwd":
-        return median_ms(forward)
+        return median_ms(lambda: f(q, k, v, True))
     if name == "fwd+bwd":
-        return median_ms(forward_backward)
-    o = forward()
-
-    def backward():
-        return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-    return median_ms(backward)
+        return median_ms(lambda: torch.autograd.grad(f(q, k, v, True), (q, k, v), do))
+    o = f(q, k, v, True)  # the backward alone replays one forward's graph, which retain_graph keeps for the next call
+    return median_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
 
 
 def time_cell(impl, f, S, D, dtype, passes):
@@ -706,7 +697,7 @@ def fmt_ms(ms):
     return ms if isinstance(ms, str) else f"{ms:.3f}"
 
 
-def ratio(cells, other, name):  # how many times ours's time the other implementation takes
+def ratio(cells, other, name):  # the other implementation's time over ours: above 1, ours is faster
     ours, theirs = cells["ours"][name], cells[other][name]
     if isinstance(ours, str) or isinstance(theirs, str):
         return "n/a"
