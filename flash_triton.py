@@ -905,3 +905,6 @@ if __name__ == "__main__":
         print(f"\ninterrupted ({signal.Signals(signum).name}): the tables above are complete, the rest did not run",
               file=sys.stderr)
         raise SystemExit(128 + signum) from None
+    except BrokenPipeError:  # piped into head: end quietly (stdout to /dev/null, or the exit's flush complains)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
