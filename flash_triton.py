@@ -684,12 +684,13 @@ def time_cell(impl, f, S, D, dtype, passes):
 def run_grid(seqs, dims, dtypes, passes, impls):
     """{(dtype, D, S): {impl: {pass: ms, "OOM" or "n/a"}}}, a progress line per row."""
     keys = [(dtype, D, S) for dtype in dtypes for D in dims for S in seqs]
-    results, last = {}, passes[-1]
+    results, last, start = {}, passes[-1], time.perf_counter()
     for i, (dtype, D, S) in enumerate(keys, 1):
         row = {name: time_cell(name, f, S, D, DTYPES[dtype], passes) for name, f in impls.items()}
         results[dtype, D, S] = row
         done = ", ".join(f"{name} {fmt_ms(cell[last])}" for name, cell in row.items())
-        print(f"  [{i}/{len(keys)}] {dtype} D{D} S{S} {last} ms: {done}", flush=True)
+        print(f"  [{i}/{len(keys)}, {time.perf_counter() - start:.0f} s] {dtype} D{D} S{S} {last} ms: {done}",
+              flush=True)
     return results
 
 
