@@ -16,11 +16,14 @@ are gpt.py's own (causal, as the model uses them), plus naive attention under to
 import argparse
 import os
 import re
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from gpt import (ATTENTION, GPU_ONLY_ATTENTION, SDPA_BACKENDS, check_host_memory, compare, fail, free_memory, gib,
-                 is_oom, naive_attention, plot_to, print_table, resolve_device, run_main, synchronize)
+from gpt import (ATTENTION, GPU_ONLY_ATTENTION, SDPA_BACKENDS, check_host_memory, compare, fail, float_in,
+                 free_memory, gib, int_in, int_list, is_oom, naive_attention, name_list, on_device, plot_to,
+                 print_table, resolve_device, run_main, saved_tensor_bytes, synchronize)
 
 IMPLS = (*ATTENTION, "compiled")
 DEFAULT_IMPLS = ("naive", "compiled", *SDPA_BACKENDS, "triton")  # "sdpa" runs one of these: ask for it by name
@@ -29,6 +32,21 @@ GPU_SWEEP = dict(batch=8, heads=1, d=[16, 32, 64, 128], seq=[256, 1024, 4096, 81
                  warmup=3)
 CPU_SWEEP = dict(batch=2, heads=1, d=[16, 32], seq=[64, 128], rounds=3, steps=2, warmup=1)
 MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Sweep:  # the flags as plain values, read once in main
+    impls: list
+    baseline: str
+    batch: int
+    heads: int
+    d: list
+    seq: list
+    dtype: str
+    rounds: int
+    steps: int
+    warmup: int
+    memory_fraction: float = None
 
 # --- 1. the implementations: gpt.py's registry, and naive attention compiled
 
@@ -88,20 +106,11 @@ def naive_saved_bytes(B, H, S, D, dtype):
     return 3 * B * H * S * D * e + B * H * S * S * e + S * S
 
 
-def measure_saved_bytes(fn, *inputs):
-    """Bytes of the tensors autograd saves while fn(*inputs) runs, counted once per storage (the
-    same probabilities are saved by softmax and by the matmul; views of q share q's storage)."""
-    storages = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        storages[(storage.data_ptr(), str(t.device))] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*inputs)
-    del out
-    return sum(storages.values())
+def counted_saved_bytes(B, H, S, D, dtype, device):
+    """What gpt.saved_tensor_bytes counts for naive attention: each saved storage once (softmax and the
+    matmul after it save the same probabilities), q, k and v included (q @ k^T saves them)."""
+    q, k, v, _ = random_qkv(B, H, S, D, dtype, device)
+    return saved_tensor_bytes(partial(naive_attention, q, k, v))
 
 
 def naive_peak_bytes(B, H, S, D, dtype):
@@ -160,28 +169,52 @@ def measure_memory(fn, impl, q, k, v, dout, device):
     return result
 
 
-def time_config(fns, q, k, v, dout, args, device):
+def time_config(fns, q, k, v, dout, sweep, device):
     """Forward and forward+backward of every implementation, interleaved in rounds (gpt.compare):
     {name: {"fwd": Timing, "both": Timing}}; None where an implementation ran out of memory."""
-    baseline = args.baseline if args.baseline in fns else None
+    baseline = sweep.baseline if sweep.baseline in fns else None
     timings = {}
     for mode, step in (("fwd", lambda fn: fn(q, k, v)),
                        # autograd.grad, not .backward(): nothing accumulates into .grad between steps
                        ("both", lambda fn: torch.autograd.grad(fn(q, k, v), (q, k, v), dout))):
         variants = {name: (lambda fn=fn: step(fn)) for name, fn in fns.items()}
-        timings[mode] = compare(variants, device, baseline, args.rounds, args.steps, args.warmup)
+        timings[mode] = compare(variants, device, baseline, sweep.rounds, sweep.steps, sweep.warmup)
     return {name: {mode: timings[mode][name] for mode in timings} for name in fns}
 
 
-def guarded(work, device):
+def guarded(work):
     """work() or "OOM" or ("n/a", reason). The exception is dropped before memory is freed:
     its traceback holds the frames, and the frames hold the tensors."""
     try:
         cell = work()
     except Exception as e:
-        cell = "OOM" if is_oom(e) else ("n/a", f"{type(e).__name__}: {str(e).strip().splitlines()[0][:150]}")
+        if is_oom(e):
+            cell = "OOM"
+        else:
+            cell = ("n/a", f"{type(e).__name__}: {str(e).strip().splitlines()[0][:150]}")
     free_memory()
     return cell
+
+
+def run_config(sweep, impls, device, D, S):
+    """{impl: cell} of one (D, S): each implementation's memory alone, then all of them timed together.
+    The inputs die with this frame."""
+    q, k, v, dout = random_qkv(sweep.batch, sweep.heads, S, D, DTYPES[sweep.dtype], device)
+    row = {}
+    for name, fn in impls.items():
+        if isinstance(fn, str):  # the reason it cannot run here
+            row[name] = ("n/a", fn)
+        else:
+            row[name] = guarded(partial(measure_memory, fn, name, q, k, v, dout, device))
+    ran = {name: fn for name, fn in impls.items() if isinstance(row[name], dict)}
+    if ran:
+        timed = guarded(partial(time_config, ran, q, k, v, dout, sweep, device))
+        for name in ran:
+            if isinstance(timed, dict):
+                row[name] = {**row[name], **timed[name]}
+            else:  # "OOM" or ("n/a", reason): the whole timing failed
+                row[name] = timed
+    return row
 
 # takeaway: memory is read around one backward by the allocator; time comes from the one interleaved timer.
 
@@ -196,25 +229,27 @@ def fmt_cell(cell, show):
     return show(cell)
 
 
-def run_sweep(args, impls, device, dtype):
+def status(cell):  # a cell in the progress line
+    if isinstance(cell, str):
+        return cell
+    if isinstance(cell, tuple):
+        return "n/a"
+    return "ok"
+
+
+def run_sweep(sweep, impls, device):
     """{(D, S): {impl: cell}}: a cell is a dict (memory, then "fwd" and "both" Timings, None if
-    out of memory in the timer's warm-up), "OOM", or ("n/a", reason)."""
+    out of memory in the timer's warm-up), "OOM", or ("n/a", reason); and {impl: first reason for n/a}."""
     results, notes = {}, {}
-    configs = [(D, S) for D in args.d for S in args.seq]
+    configs = [(D, S) for D in sweep.d for S in sweep.seq]
     for i, (D, S) in enumerate(configs, 1):
-        q, k, v, dout = random_qkv(args.batch, args.heads, S, D, dtype, device)
-        row = {name: ("n/a", fn) if isinstance(fn, str) else
-               guarded(lambda: measure_memory(fn, name, q, k, v, dout, device), device) for name, fn in impls.items()}
-        ran = {name: fn for name, fn in impls.items() if isinstance(row[name], dict)}
-        timed = guarded(lambda: time_config(ran, q, k, v, dout, args, device), device) if ran else {}
-        for name in ran:
-            row[name] = timed if timed == "OOM" else {**row[name], **timed[name]}
-        notes.update({name: cell[1] for name, cell in row.items() if isinstance(cell, tuple) and name not in notes})
-        results[(D, S)] = row
-        del q, k, v, dout
+        row = results[D, S] = run_config(sweep, impls, device, D, S)
         free_memory()
-        status = {n: c if isinstance(c, str) else "n/a" if isinstance(c, tuple) else "ok" for n, c in row.items()}
-        print(f"[{i}/{len(configs)}] D={D} S={S}: " + ", ".join(f"{n} {c}" for n, c in status.items()), flush=True)
+        for name, cell in row.items():
+            if isinstance(cell, tuple):
+                notes.setdefault(name, cell[1])
+        print(f"[{i}/{len(configs)}] D={D} S={S}: " + ", ".join(f"{n} {status(c)}" for n, c in row.items()),
+              flush=True)
     return results, notes
 
 
@@ -222,21 +257,29 @@ def rewritten(cell):
     return isinstance(cell, dict) and bool(cell.get("sdpa_ops"))
 
 
+def star(cell):  # marks a cell where Inductor put an SDPA kernel in place of naive attention
+    return "*" if rewritten(cell) else ""
+
+
 def timing(key, show):
     """A table cell from one Timing of a measured cell (None: out of memory in the timer's warm-up)."""
-    return lambda c: "OOM" if c[key] is None else show(c[key]) + ("*" if rewritten(c) else "")
+    def text(cell):
+        if cell[key] is None:
+            return "OOM"
+        return show(cell[key]) + star(cell)
+    return text
 
 
-def print_sweep(results, notes, impls, device, args):
+def print_sweep(results, notes, impls, device, sweep):
     names = list(impls)
-    rounds = f"median (min-max) over {args.rounds} rounds of {args.steps} steps, implementations interleaved"
+    rounds = f"median (min-max) over {sweep.rounds} rounds of {sweep.steps} steps, implementations interleaved"
     tables = [(f"forward, ms: {rounds}", timing("fwd", lambda t: t.ms(3))),
               (f"forward+backward, ms: {rounds}", timing("both", lambda t: t.ms(3))),
-              (f"forward+backward vs {args.baseline}: median of the per-round ratios (min-max)",
+              (f"forward+backward vs {sweep.baseline}: median of the per-round ratios (min-max)",
                timing("both", lambda t: t.vs()))]
     if device.type == "cuda":
         tables.append(("memory allocated just before backward / peak during forward+backward, MiB",
-                       lambda c: f"{c['before'] / MIB:.0f} / {c['peak'] / MIB:.0f}" + ("*" if rewritten(c) else "")))
+                       lambda c: f"{c['before'] / MIB:.0f} / {c['peak'] / MIB:.0f}{star(c)}"))
     for title, show in tables:
         print(f"\n{title}")
         print_table(["D", "S", *names],
@@ -279,19 +322,19 @@ def plot_sweep(results, impls, path, ms, memory):
 # --- 5. memory accounting for naive attention: prediction vs measurement, and where it breaks
 
 
-def print_memory_accounting(results, args, dtype, device):
-    print(f"\nnaive attention memory, MiB, B={args.batch} H={args.heads} {args.dtype} causal")
+def print_memory_accounting(results, sweep, device):
+    B, H, dtype = sweep.batch, sweep.heads, DTYPES[sweep.dtype]
+    print(f"\nnaive attention memory, MiB, B={B} H={H} {sweep.dtype} causal")
     rows, prev = [], {}
     for (D, S), row in results.items():
-        saved = naive_saved_bytes(args.batch, args.heads, S, D, dtype)
-        qkv = lambda: random_qkv(args.batch, args.heads, S, D, dtype, device)[:3]
-        hooked = guarded(lambda: measure_saved_bytes(naive_attention, *qkv()), device)
-        out_bytes = args.batch * args.heads * S * D * dtype.itemsize
+        saved = naive_saved_bytes(B, H, S, D, dtype)
+        hooked = guarded(partial(counted_saved_bytes, B, H, S, D, dtype, device))
+        out_bytes = B * H * S * D * dtype.itemsize
         cells = [D, S, f"{saved / MIB:.2f}", fmt_cell(hooked, lambda b: f"{b / MIB:.2f}")]
         cell = row.get("naive")
         if device.type == "cuda":
             residue = saved - 2 * out_bytes  # q, k, v existed before; the output is new
-            peak = naive_peak_bytes(args.batch, args.heads, S, D, dtype)
+            peak = naive_peak_bytes(B, H, S, D, dtype)
             cells += [f"{residue / MIB:.2f}", fmt_cell(cell, lambda c: f"{c['residue'] / MIB:.2f}"),
                       fmt_cell(cell, lambda c: f"{S * S / prev[D][0] ** 2:.0f}x / {c['residue'] / prev[D][1]:.1f}x"
                                if D in prev else "-"),
@@ -308,23 +351,28 @@ def print_memory_accounting(results, args, dtype, device):
     if device.type == "cuda":
         print("residue: allocated after forward - before forward (predicted: saved - q,k,v + output); the growth"
               " column sets it against S² from the row above; peak-base: peak - allocated before forward")
-        print_first_oom(results, args, dtype, device)
+        print_first_oom(results, sweep, device)
 
 
-def print_first_oom(results, args, dtype, device):
+def naive_need_bytes(B, H, S, D, dtype):  # naive attention's peak plus its inputs q, k, v, dout
+    return 4 * B * H * S * D * dtype.itemsize + naive_peak_bytes(B, H, S, D, dtype)
+
+
+def print_first_oom(results, sweep, device):
     """Work out, from the total GPU memory, the shortest power-of-two sequence at which naive
     attention cannot fit, for the smallest head dimension of the sweep."""
-    total = torch.cuda.get_device_properties(device).total_memory * (args.memory_fraction or 1.0)
-    B, H, D, e = args.batch, args.heads, min(args.d), dtype.itemsize
-    need = lambda S: 4 * B * H * S * D * e + naive_peak_bytes(B, H, S, D, dtype)  # + q,k,v,dout
+    total = torch.cuda.get_device_properties(device).total_memory * (sweep.memory_fraction or 1.0)
+    B, H, D, dtype = sweep.batch, sweep.heads, min(sweep.d), DTYPES[sweep.dtype]
+    e = dtype.itemsize
     S = 128
-    while need(S) <= total:
+    while naive_need_bytes(B, H, S, D, dtype) <= total:
         S *= 2
-    print(f"first naive OOM, worked through: {torch.cuda.get_device_name(device)} has {gib(total)} GiB"
-          f"{' under --memory-fraction' if args.memory_fraction else ''}. At B={B} H={H} D={D} S={S} one B·H·S²"
-          f" {args.dtype} matrix is {B}·{H}·{S}²·{e} B = {gib(B * H * S * S * e)} GiB; backward holds four at once"
-          f" (probs, dprobs, dscores, dscores·scale) plus q,k,v,dout,out,dv: {gib(need(S))} GiB > {gib(total)} GiB."
-          f" S={S // 2} needs {gib(need(S // 2))} GiB and fits: half the length, a quarter of the memory.")
+    capped = " under --memory-fraction" if sweep.memory_fraction else ""
+    print(f"first naive OOM, worked through: {torch.cuda.get_device_name(device)} has {gib(total)} GiB{capped}."
+          f" At B={B} H={H} D={D} S={S} one B·H·S² {sweep.dtype} matrix is {B}·{H}·{S}²·{e} B ="
+          f" {gib(B * H * S * S * e)} GiB; backward holds four at once (probs, dprobs, dscores, dscores·scale) plus"
+          f" q,k,v,dout,out,dv: {gib(naive_need_bytes(B, H, S, D, dtype))} GiB > {gib(total)} GiB. S={S // 2} needs"
+          f" {gib(naive_need_bytes(B, H, S // 2, D, dtype))} GiB and fits: half the length, a quarter of the memory.")
     measured = [(D_, S_) for (D_, S_), row in results.items() if row.get("naive") == "OOM"]
     print(f"measured: naive ran out of memory at {', '.join(f'D={d} S={s}' for d, s in measured)}" if measured
           else "measured: naive did not run out of memory in this sweep")
@@ -334,90 +382,82 @@ def print_first_oom(results, args, dtype, device):
 # --- 6. main
 
 
-def parse_list(text, flag):
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated integers, got '{text}'") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag} values must be positive integers, got '{text}'")
-    return values
-
-
 def parse_args(argv):
-    """Flags, defaults by device, and every range checked: ValueError in one sentence."""
+    """The flags, each validated by its type= helper (a bad value: argparse's one-line error, exit 2)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--impl", help=f"comma-separated, from {','.join(IMPLS)} (default: all but sdpa)")
+    p.add_argument("--impl", type=name_list(IMPLS, "implementation"),
+                   help=f"comma-separated, from {','.join(IMPLS)} (default: all but sdpa)")
     p.add_argument("--baseline", help="implementation the ratio column divides by (default flash, else the first)")
-    p.add_argument("--d", help="head dimensions, comma-separated")
-    p.add_argument("--seq", help="sequence lengths, comma-separated")
-    p.add_argument("--batch", type=int)
-    p.add_argument("--heads", type=int)
+    p.add_argument("--d", type=int_list(1), help="head dimensions, comma-separated")
+    p.add_argument("--seq", type=int_list(1), help="sequence lengths, comma-separated")
+    p.add_argument("--batch", type=int_in(1))
+    p.add_argument("--heads", type=int_in(1))
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--causal", action="store_true", help="the default and only mask: gpt.py's attention is causal")
-    p.add_argument("--rounds", type=int, help="rounds of the interleaved timer (GPU default 10)")
-    p.add_argument("--steps", type=int, help="steps per implementation per round (GPU default 5)")
-    p.add_argument("--warmup", type=int, help="untimed steps per implementation first")
-    p.add_argument("--memory-fraction", type=float, help="cap this process's GPU memory, e.g. 0.05")
+    p.add_argument("--rounds", type=int_in(1), help="rounds of the interleaved timer (GPU default 10)")
+    p.add_argument("--steps", type=int_in(1), help="steps per implementation per round (GPU default 5)")
+    p.add_argument("--warmup", type=int_in(0), help="untimed steps per implementation first")
+    p.add_argument("--memory-fraction", type=float_in(1e-3, 1), help="cap this process's GPU memory, e.g. 0.05")
     p.add_argument("--device")
     p.add_argument("--plot", help="draw ms and peak memory against S into this PNG (needs matplotlib)")
-    args = p.parse_args(argv)
-    args.device = resolve_device(args.device)
-    defaults = GPU_SWEEP if args.device.type == "cuda" else CPU_SWEEP
-    names = args.impl.split(",") if args.impl else list(DEFAULT_IMPLS)
-    if unknown := [n for n in names if n not in IMPLS]:
-        raise ValueError(f"unknown implementation '{unknown[0]}'; choose from {', '.join(IMPLS)}")
-    args.impl = names
-    args.baseline = args.baseline or ("flash" if "flash" in names else names[0])
-    if args.baseline not in names:
-        raise ValueError(f"--baseline {args.baseline} is not among the implementations ({', '.join(names)})")
-    args.d = parse_list(args.d, "--d") if args.d else defaults["d"]
-    args.seq = parse_list(args.seq, "--seq") if args.seq else defaults["seq"]
-    for flag in ("batch", "heads", "rounds", "steps", "warmup"):
-        if getattr(args, flag) is None:
-            setattr(args, flag, defaults.get(flag, 1))
-        if getattr(args, flag) < (0 if flag == "warmup" else 1):
-            must = "non-negative" if flag == "warmup" else "at least 1"
-            raise ValueError(f"--{flag} must be {must}, got {getattr(args, flag)}")
-    if args.device.type == "cpu":  # naive's peak and the inputs: the most any implementation holds
-        dtype = DTYPES[args.dtype]
-        check_host_memory(max(naive_peak_bytes(args.batch, args.heads, S, D, dtype)
-                              + 4 * args.batch * args.heads * S * D * dtype.itemsize for D in args.d for S in args.seq),
-                          f"batch {args.batch} x {args.heads} heads at S {max(args.seq)}",
-                          "lower --batch, --heads or --seq")
-    if args.memory_fraction is not None:
-        if args.device.type != "cuda":
-            raise ValueError("--memory-fraction caps GPU memory and needs a CUDA device")
-        if not 0 < args.memory_fraction <= 1:
-            raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
-    if args.plot:
-        plot_to(args.plot)  # matplotlib present and the path writable, before any work
-    return args
+    return p.parse_args(argv)
+
+
+def sweep_from(args, device):
+    """The flags as a Sweep of plain values, defaults by device (gpt.on_device); ValueError in one
+    sentence for a combination that cannot work."""
+    defaults = on_device(device, cpu=CPU_SWEEP, gpu=GPU_SWEEP)
+    impls = args.impl or list(DEFAULT_IMPLS)
+    baseline = args.baseline or ("flash" if "flash" in impls else impls[0])
+    if baseline not in impls:
+        raise ValueError(f"--baseline {baseline} is not among the implementations ({', '.join(impls)})")
+    if args.memory_fraction is not None and device.type != "cuda":
+        raise ValueError("--memory-fraction caps GPU memory and needs a CUDA device")
+
+    def pick(value, name):  # the flag, or the device's default
+        return defaults[name] if value is None else value
+    return Sweep(impls, baseline, batch=pick(args.batch, "batch"), heads=pick(args.heads, "heads"), d=pick(args.d, "d"),
+                 seq=pick(args.seq, "seq"), dtype=args.dtype, rounds=pick(args.rounds, "rounds"),
+                 steps=pick(args.steps, "steps"), warmup=pick(args.warmup, "warmup"),
+                 memory_fraction=args.memory_fraction)
+
+
+def check_cpu_memory(sweep):  # naive's peak and the inputs: the most any implementation holds
+    dtype = DTYPES[sweep.dtype]
+    need = max(naive_need_bytes(sweep.batch, sweep.heads, S, D, dtype) for D in sweep.d for S in sweep.seq)
+    check_host_memory(need, f"batch {sweep.batch} x {sweep.heads} heads at S {max(sweep.seq)}",
+                      "lower --batch, --heads or --seq")
 
 
 def main(argv=None):
+    args = parse_args(argv)
+    plot = args.plot
     try:
-        args = parse_args(argv)
+        device = resolve_device(args.device)
+        sweep = sweep_from(args, device)
+        if plot:
+            plot_to(plot)  # matplotlib present and the path writable, before any work
     except ValueError as e:
         fail(str(e))
-    device, dtype = args.device, DTYPES[args.dtype]
-    if args.memory_fraction is not None:
+    if device.type == "cpu":
+        check_cpu_memory(sweep)
+    if sweep.memory_fraction is not None:
         # The caching allocator raises OutOfMemoryError past this fraction of the GPU's memory.
-        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
+        torch.cuda.set_per_process_memory_fraction(sweep.memory_fraction, device)
     where = (f"{torch.cuda.get_device_name(device)}" if device.type == "cuda"
              else "CPU: no CUDA GPU, so a tiny sweep that finishes in seconds instead of the GPU default")
-    print(f"{where}; torch {torch.__version__}; batch {args.batch}, heads {args.heads}, D {args.d}, S {args.seq}; "
-          f"{args.rounds} rounds of {args.steps} steps after {args.warmup} warm-up")
-    print(f"{args.dtype}, causal; fp32 matmuls use torch's default (TF32 off)")
+    print(f"{where}; torch {torch.__version__}; batch {sweep.batch}, heads {sweep.heads}, D {sweep.d}, "
+          f"S {sweep.seq}; {sweep.rounds} rounds of {sweep.steps} steps after {sweep.warmup} warm-up")
+    print(f"{sweep.dtype}, causal; fp32 matmuls use torch's default (TF32 off)")
     try:
-        impls = make_impls(args.impl, device)
-        results, notes = run_sweep(args, impls, device, dtype)
-        print_sweep(results, notes, impls, device, args)
+        impls = make_impls(sweep.impls, device)
+        results, notes = run_sweep(sweep, impls, device)
+        print_sweep(results, notes, impls, device, sweep)
         if "naive" in impls:
-            print_memory_accounting(results, args, dtype, device)
-        if args.plot:
-            plot_sweep(results, impls, args.plot, lambda c: c["both"] and c["both"].median, device.type == "cuda")
-        print(sweep_summary(results, args))
+            print_memory_accounting(results, sweep, device)
+        if plot:
+            plot_sweep(results, impls, plot, lambda c: c["both"] and c["both"].median, device.type == "cuda")
+        print(sweep_summary(results, sweep))
     except (torch.OutOfMemoryError, RuntimeError) as e:  # outside a sweep cell (cells catch their own)
         if not is_oom(e):
             raise
@@ -425,15 +465,16 @@ def main(argv=None):
         fail(f"out of {where} memory outside the sweep cells: {str(e).splitlines()[0][:120]}")
 
 
-def sweep_summary(results, args):
+def sweep_summary(results, sweep):
     """One line: at the largest configuration, forward+backward of each implementation, fastest
     first, with its paired ratio to the baseline."""
     (D, S), row = list(results.items())[-1]
     done = {n: c["both"] for n, c in row.items() if isinstance(c, dict) and c.get("both") is not None}
     text = ", ".join(f"{n} {t.median:.3f} ms ({t.vs()})" for n, t in sorted(done.items(), key=lambda kv: kv[1].median))
     ooms = [n for n, c in row.items() if c == "OOM" or (isinstance(c, dict) and c.get("both") is None)]
-    return (f"summary: D={D} S={S} {args.dtype}, forward+backward median ms (vs {args.baseline}): "
-            f"{text or 'no implementation ran'}" + (f"; OOM: {', '.join(ooms)}" if ooms else ""))
+    oom_text = f"; OOM: {', '.join(ooms)}" if ooms else ""
+    return (f"summary: D={D} S={S} {sweep.dtype}, forward+backward median ms (vs {sweep.baseline}): "
+            f"{text or 'no implementation ran'}{oom_text}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ This file imports nothing from the repository: copy it and it runs.
 
     python flash_triton.py                 # the benchmark (on a CPU: the kernels vs the reference)
     python flash_triton.py --shapes 8x16x2048x64 --plot flash.png
+    python flash_triton.py --grid --plot grid.png   # the course's grid: ours, plain PyTorch, SDPA
 
     from flash_triton import FlashAttention, flash_attention
     o = FlashAttention.apply(q, k, v, True)        # (batch, seq, d), (batch, heads, seq, d), ...
@@ -19,10 +20,10 @@ import importlib.util
 import itertools
 import math
 import os
-import re
 import signal
 import statistics
 import sys
+import time
 from functools import partial
 
 import torch
@@ -33,8 +34,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 if INTERPRETED:  # triton <= 3.6's interpreter takes int() of a 1-element array for a loop bound,
     from triton.runtime import interpreter  # which numpy refuses: range(0, n, BLOCK) fails. As 3.9 does:
@@ -300,8 +301,7 @@ def _launch(name, n, BH, args, dtype, **meta):
     if meta["TMA"]:
         # in-kernel descriptors live in a scratch buffer from a per-thread allocator (backward has its own thread)
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
-    tiles = INTERPRETER_TILES if INTERPRETED else FP32_TILES if dtype == torch.float32 else TUNED[meta["D"]]
-    bm, bn, warps, stages = tiles[name]
+    bm, bn, warps, stages = _tiles(dtype, meta["D"])[name]
     if name != "fwd":  # the diagonal's sub-tile: half of the dimension that iterates, at least a dot's 16
         meta["DIAG"] = max((bm if name == "dkdv" else bn) // 2, 16)
     tile = bn if name == "dkdv" else bm
@@ -309,11 +309,21 @@ def _launch(name, n, BH, args, dtype, **meta):
                                                 num_stages=stages)
 
 
-def _use_tma(*tensors):
-    # TMA descriptors need 16-byte aligned bases and row strides; fp32 keeps the exact-dot path.
-    aligned = lambda t: t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+def _tiles(dtype, D):
+    if INTERPRETED:
+        return INTERPRETER_TILES
+    if dtype == torch.float32:
+        return FP32_TILES
+    return TUNED[D]
+
+
+def _aligned(t):  # TMA descriptors need 16-byte aligned bases and row strides
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+
+
+def _use_tma(*tensors):  # fp32 keeps the exact-dot path
     return (tensors[0].shape[-1] in TMA_HEAD_DIMS and tensors[0].dtype != torch.float32 and
-            all(map(aligned, tensors)))
+            all(map(_aligned, tensors)))
 
 
 def _as_4d(t):
@@ -372,7 +382,11 @@ class FlashAttention(torch.autograd.Function):
 
 def torch_fp32_precision():  # newer torch has fp32_precision, and reading allow_tf32 there warns
     m = torch.backends.cuda.matmul
-    return "tf32" if (m.fp32_precision == "tf32" if hasattr(m, "fp32_precision") else m.allow_tf32) else "ieee"
+    if hasattr(m, "fp32_precision"):
+        tf32 = m.fp32_precision == "tf32"
+    else:
+        tf32 = m.allow_tf32
+    return "tf32" if tf32 else "ieee"
 
 
 def check_inputs(q, k, v, causal, precision=None):
@@ -501,16 +515,19 @@ def time_impl(f, B, H, S, D, dtype):
         q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=dtype) for _ in range(4))
         fwd = triton.testing.do_bench(lambda: f(q, k, v, True), return_mode="median")
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        # autograd.grad rather than .backward(): no gradient accumulation kernels in the timing
-        step = lambda: torch.autograd.grad(f(q, k, v, True), (q, k, v), do)  # noqa: E731
+
+        def step():  # autograd.grad rather than .backward(): no gradient accumulation kernels in the timing
+            return torch.autograd.grad(f(q, k, v, True), (q, k, v), do)
         both = triton.testing.do_bench(step, return_mode="median")
         try:  # the same calls captured once and replayed: GPU time without Python's launch cost
             graphed = triton.testing.do_bench_cudagraph(step, return_mode="median")
-        except Exception:  # noqa: BLE001 -- a backend that cannot be captured gets n/a
+        except Exception:  # a backend that cannot be captured gets n/a
             graphed = None
         return fwd, both, graphed
-    except Exception as e:  # noqa: BLE001 -- a failure is a cell; the benchmark goes on
-        return "OOM" if isinstance(e, torch.OutOfMemoryError) else f"{type(e).__name__}: {str(e).strip()[:120]}"
+    except Exception as e:  # a failure is a cell; the benchmark goes on
+        if isinstance(e, torch.OutOfMemoryError):
+            return "OOM"
+        return f"{type(e).__name__}: {str(e).strip()[:120]}"
 
 
 def run_benchmark(shapes, repeats):
@@ -519,34 +536,50 @@ def run_benchmark(shapes, repeats):
     results = {}
     for B, H, S, D, dtype in shapes:
         times = results[B, H, S, D, dtype] = {}
-        for r, (name, f) in itertools.product(range(repeats), IMPLS[dtype].items()):
-            if not isinstance(times.get(name), str):
+        for _ in range(repeats):
+            for name, f in IMPLS[dtype].items():
+                if isinstance(times.get(name), str):
+                    continue  # it failed once: no second try
                 t = time_impl(f, B, H, S, D, DTYPES[dtype])
                 torch.cuda.empty_cache()  # the inputs died with time_impl's frame
-                times[name] = t if isinstance(t, str) else times.get(name, []) + [t]
-                print(f"  B{B} H{H} S{S} D{D} {dtype} {name}: {t if isinstance(t, str) else f'fwd+bwd {t[1]:.3f} ms'}",
-                      flush=True)
+                if isinstance(t, str):
+                    times[name] = t
+                    print(f"  B{B} H{H} S{S} D{D} {dtype} {name}: {t}", flush=True)
+                else:
+                    times.setdefault(name, []).append(t)
+                    print(f"  B{B} H{H} S{S} D{D} {dtype} {name}: fwd+bwd {t[1]:.3f} ms", flush=True)
     return results
+
+
+def spread(xs, digits=3, suffix=""):
+    """'median (min-max)' of repeated measurements; the median alone for one."""
+    text = f"{statistics.median(xs):.{digits}f}{suffix}"
+    if len(xs) > 1:
+        text += f" ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
+    return text
+
+
+def report_cells(key, t, base):
+    """One implementation's numbers: fwd, fwd+bwd, TFLOP/s, fwd+bwd vs SDPA (paired by repeat), graphed."""
+    if isinstance(t, str):
+        return ["OOM" if t == "OOM" else "n/a"] * 5
+    fwd, both, graphed = ([r[j] for r in t if r[j]] for j in range(3))
+    vs = [a[1] / b[1] for a, b in zip(t, base)] if base else []
+    return [f"{statistics.median(fwd):.3f}", spread(both), f"{tflops(*key, statistics.median(both)):.0f}",
+            spread(vs, 2, "x") if vs else "n/a", f"{statistics.median(graphed):.3f}" if graphed else "n/a"]
 
 
 def report(results, repeats):
     """The table, then the summary: ours over SDPA cuDNN (efficient for fp32), paired by repeat."""
-    spread = lambda xs, n=3, x="": (f"{statistics.median(xs):.{n}f}{x}"  # noqa: E731 -- median (min-max)
-                                    + (f" ({min(xs):.{n}f}-{max(xs):.{n}f})" if len(xs) > 1 else ""))
     rows, parts = [], []
     for key, times in results.items():
         base = next((t for name, t in times.items() if name.startswith("sdpa") and not isinstance(t, str)), None)
+        label = "B{} H{} S{} D{} {}".format(*key)
         for i, (name, t) in enumerate(times.items()):
-            cells = ["OOM" if t == "OOM" else "n/a"] * 5
-            if not isinstance(t, str):
-                fwd, both, graphed = ([r[j] for r in t if r[j]] for j in range(3))
-                vs = [a[1] / b[1] for a, b in zip(t, base)] if base else []
-                cells = [f"{statistics.median(fwd):.3f}", spread(both), f"{tflops(*key, statistics.median(both)):.0f}",
-                         spread(vs, 2, "x") if vs else "n/a", f"{statistics.median(graphed):.3f}" if graphed else "n/a"]
-                if vs and name in ("ours", "ours tf32"):
-                    shape = "B{} H{} S{} D{}".format(*key) + " fp32 tf32" * (key[4] == "fp32")
-                    parts.append(f"{shape} {spread(vs, 2, 'x')}")
-            rows.append(["" if i else "B{} H{} S{} D{} {}".format(*key), name, *cells])
+            cells = report_cells(key, t, base)
+            rows.append([label if i == 0 else "", name, *cells])
+            if name in ("ours", "ours tf32") and cells[3] != "n/a":
+                parts.append(f"{label} {name} {cells[3]}")
     print(f"\ncausal; do_bench medians; fwd+bwd: median (min-max) of {repeats} repeats; vs SDPA: the first SDPA "
           "row that ran (cuDNN; efficient for fp32), paired by repeat; graphed: replayed from a CUDA graph; "
           "n/a: see above")
@@ -554,18 +587,25 @@ def report(results, repeats):
     print("summary: ours fwd+bwd / SDPA: " + ("; ".join(parts) or "n/a"))
 
 
-def plot_tflops(results, path):
-    """fwd+bwd TFLOP/s, a group of bars per shape, a bar per implementation."""
+def pyplot():  # matplotlib, only for --plot (its presence checked before any work)
     import matplotlib.pyplot as plt
 
     plt.switch_backend("Agg")
+    return plt
+
+
+def plot_tflops(results, path):
+    """fwd+bwd TFLOP/s, a group of bars per shape, a bar per implementation."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(2 + 1.5 * len(results), 4))
     width = 0.8 / max(map(len, results.values()))
     for name in dict.fromkeys(name for times in results.values() for name in times):
-        # each bar at its place within its shape's group
-        bars = [(x + width * (list(times).index(name) - (len(times) - 1) / 2),
-                 tflops(*key, statistics.median(r[1] for r in t)))
-                for x, (key, times) in enumerate(results.items()) if isinstance(t := times.get(name), list)]
+        bars = []
+        for x, (key, times) in enumerate(results.items()):
+            t = times.get(name)
+            if isinstance(t, list):  # each bar at its place within its shape's group
+                offset = width * (list(times).index(name) - (len(times) - 1) / 2)
+                bars.append((x + offset, tflops(*key, statistics.median(r[1] for r in t))))
         if bars:
             ax.bar(*zip(*bars), width, label=name)
     ax.set_xticks(range(len(results)), ["B{} H{}\nS{} D{}\n{}".format(*key) for key in results])
@@ -576,12 +616,168 @@ def plot_tflops(results, path):
 
 # takeaway: compare against SDPA's own fused kernels, paired by repeat, and graphed to remove launch costs.
 
-# --- 6. main
+# --- 6. the course's benchmarking grid: ours, plain PyTorch and SDPA; batch 1, one head, causal
+
+GPU_GRID = {"seqs": [2**i for i in range(7, 17)], "dims": list(HEAD_DIMS), "dtypes": ["bf16", "fp32"]}  # S 128-65536
+CPU_GRID = {"seqs": [16, 32], "dims": [16], "dtypes": ["fp32"]}  # the interpreter: seconds, not hours
+GRID_PASSES = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward+backward"}
 
 
-def fail(message):  # bad input: one sentence and exit status 2, no traceback
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+def plain_attention(q, k, v, causal):
+    """Attention as the formula reads: the (S, S) scores and probabilities in memory, kept by autograd."""
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # (..., S, S)
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def sdpa_attention(q, k, v, causal):  # SDPA's own choice of backend (cuDNN or flash for bf16, efficient for fp32)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+GRID_IMPLS = {"ours": flash_attention, "pytorch": plain_attention, "sdpa": sdpa_attention}
+
+
+def median_ms(fn):
+    """fn's median time in ms: do_bench on a GPU (L2 flushed before each call); under the interpreter the
+    CPU's wall clock, after one warm-up call (do_bench needs a GPU driver)."""
+    if not INTERPRETED:
+        return triton.testing.do_bench(fn, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def time_pass(name, f, q, k, v, do):
+    """Median ms of one pass of causal attention f; autograd.grad, unlike .backward(), accumulates no .grad."""
+    if name == "fwd":
+        return median_ms(lambda: f(q, k, v, True))
+    if name == "fwd+bwd":
+        return median_ms(lambda: torch.autograd.grad(f(q, k, v, True), (q, k, v), do))
+    o = f(q, k, v, True)  # the backward alone replays one forward's graph, which retain_graph keeps for the next call
+    return median_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+
+
+def time_cell(impl, f, S, D, dtype, passes):
+    """{pass: median ms, "OOM" or "n/a"} of f on one (1, 1, S, D) head per q, k, v; the inputs die with this frame."""
+    device = "cpu" if INTERPRETED else "cuda"
+    q, k, v, do = (torch.randn(1, 1, S, D, device=device, dtype=dtype) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))  # the forward is timed as training runs it, saving for backward
+    cell = {}
+    for name in passes:
+        try:
+            cell[name] = time_pass(name, f, q, k, v, do)
+        except torch.OutOfMemoryError:  # plain PyTorch's (S, S) matrices at long S: a cell, and the grid goes on
+            cell[name] = "OOM"
+        except RuntimeError as e:  # a backend that refuses these inputs: a cell too, and the reason
+            cell[name] = "n/a"
+            print(f"  n/a: {impl} {name} at S{S} D{D} {dtype}: {str(e).strip().splitlines()[0][:120]}", flush=True)
+        if not INTERPRETED:  # after the except block, whose traceback held the failed pass's tensors
+            torch.cuda.empty_cache()
+    return cell
+
+
+def run_grid(seqs, dims, dtypes, passes, impls):
+    """{(dtype, D, S): {impl: {pass: ms, "OOM" or "n/a"}}}, a progress line per row."""
+    keys = [(dtype, D, S) for dtype in dtypes for D in dims for S in seqs]
+    results, last, start = {}, passes[-1], time.perf_counter()
+    for i, (dtype, D, S) in enumerate(keys, 1):
+        row = {name: time_cell(name, f, S, D, DTYPES[dtype], passes) for name, f in impls.items()}
+        results[dtype, D, S] = row
+        done = ", ".join(f"{name} {fmt_ms(cell[last])}" for name, cell in row.items())
+        print(f"  [{i}/{len(keys)}, {time.perf_counter() - start:.0f} s] {dtype} D{D} S{S} {last} ms: {done}",
+              flush=True)
+    return results
+
+
+def fmt_ms(ms):
+    return ms if isinstance(ms, str) else f"{ms:.3f}"
+
+
+def ratio(cells, other, name):  # the other implementation's time over ours: above 1, ours is faster
+    ours, theirs = cells["ours"][name], cells[other][name]
+    if isinstance(ours, str) or isinstance(theirs, str):
+        return "n/a"
+    return f"{theirs / ours:.3g}"
+
+
+def print_grid(results, passes):
+    """One table per pass: a row per (dtype, D, S), a column per implementation, then theirs / ours."""
+    impls = list(next(iter(results.values())))
+    others = [name for name in impls if name != "ours"]
+    for name in passes:
+        rows = [[dtype, D, S, *(fmt_ms(cells[impl][name]) for impl in impls),
+                 *(ratio(cells, other, name) for other in others)] for (dtype, D, S), cells in results.items()]
+        clock = "wall clock" if INTERPRETED else "do_bench"
+        print(f"\n{GRID_PASSES[name]}, causal, batch 1, one head; ms: median ({clock})")
+        print_table(["dtype", "D", "S", *(f"{impl} ms" for impl in impls), *(f"{other} / ours" for other in others)],
+                    rows)
+
+
+def grid_summary(results, name):
+    """One line: each other implementation's time over ours (median over the rows where both ran), and the OOMs."""
+    parts = []
+    for other in [impl for impl in next(iter(results.values())) if impl != "ours"]:
+        ratios = [float(r) for r in (ratio(cells, other, name) for cells in results.values()) if r != "n/a"]
+        if ratios:
+            parts.append(f"{other} / ours {statistics.median(ratios):.3g}x (median of {len(ratios)} rows)")
+    ooms = [f"{impl} {dtype} D{D} S{S}" for (dtype, D, S), cells in results.items() for impl, cell in cells.items()
+            if "OOM" in cell.values()]
+    oom_text = "no OOM"
+    if ooms:
+        oom_text = f"OOM: {ooms[0]} and {len(ooms) - 1} more" if len(ooms) > 1 else f"OOM: {ooms[0]}"
+    return f"summary: {GRID_PASSES[name]}: {'; '.join(parts) or 'nothing to compare'}; {oom_text}"
+
+
+def plot_grid(results, name, path):
+    """ms of one pass against S, a line per implementation, a panel per (dtype, D)."""
+    plt = pyplot()
+    dtypes = list(dict.fromkeys(dtype for dtype, _, _ in results))
+    dims = list(dict.fromkeys(D for _, D, _ in results))
+    fig, axes = plt.subplots(len(dtypes), len(dims), figsize=(4 * len(dims), 3.2 * len(dtypes)), squeeze=False)
+    for (r, dtype), (c, D) in itertools.product(enumerate(dtypes), enumerate(dims)):
+        ax = axes[r][c]
+        for impl in next(iter(results.values())):
+            points = [(S, cells[impl][name]) for (t, d, S), cells in results.items()
+                      if (t, d) == (dtype, D) and not isinstance(cells[impl][name], str)]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set(yscale="log", xlabel="sequence length", ylabel=f"{GRID_PASSES[name]} ms", title=f"{dtype} D={D}")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"causal attention, batch 1, one head: {GRID_PASSES[name]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def grid(seqs, dims, dtypes, passes, plot, impls=GRID_IMPLS):
+    """The grid, defaults by machine (the course's on a GPU, a tiny one under the interpreter); passes in order."""
+    if INTERPRETED:
+        defaults = CPU_GRID
+        print("no CUDA GPU: a tiny grid under TRITON_INTERPRET=1 timed by the wall clock: a test, not a measurement")
+    else:
+        defaults = GPU_GRID
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    seqs, dims, dtypes = seqs or defaults["seqs"], dims or defaults["dims"], dtypes or defaults["dtypes"]
+    passes = [name for name in GRID_PASSES if name in (passes or GRID_PASSES)]  # fwd, bwd, fwd+bwd: in that order
+    rows = len(seqs) * len(dims) * len(dtypes)
+    print(f"grid: {rows} rows (S x D x dtype) x {len(impls)} implementations x {len(passes)} passes = "
+          f"{rows * len(impls) * len(passes)} timings; on a GPU do_bench runs each for about 0.1 s and each "
+          "(D, dtype) compiles the kernels first: this takes a while. A line per row:", flush=True)
+    results = run_grid(seqs, dims, dtypes, passes, impls)
+    print_grid(results, passes)
+    if plot:
+        plot_grid(results, passes[-1], plot)
+    print(grid_summary(results, passes[-1]))
+
+# takeaway: the (S, S) matrices make plain attention quadratic in memory; the fused kernels stay linear.
+
+# --- 7. main: flags, each validated by a type= helper (a bad value: argparse's one-line error, exit 2)
 
 
 def print_table(headers, rows):
@@ -592,49 +788,111 @@ def print_table(headers, rows):
         print("  ".join(padded).rstrip())
 
 
+def whole_number(text, low=1):
+    if not text.strip().isdigit() or int(text) < low:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number of at least {low}")
+    return int(text)
+
+
+def shape(text):  # --shapes: BxHxSxD
+    sizes = text.split("x")
+    if len(sizes) != 4 or not all(s.isdigit() and int(s) > 0 for s in sizes) or int(sizes[3]) not in HEAD_DIMS:
+        raise argparse.ArgumentTypeError(f"'{text}' is not BxHxSxD with positive sizes and D one of {HEAD_DIMS}")
+    return (*map(int, sizes), "bf16")
+
+
+def power_of_two(text):  # --seqs
+    n = whole_number(text, 0)
+    if not 16 <= n <= 65536 or n & (n - 1):
+        raise argparse.ArgumentTypeError(f"sequence length {n} is not a power of two from 16 to 65536")
+    return n
+
+
+def head_dim(text):  # --dims
+    n = whole_number(text)
+    if n not in HEAD_DIMS:
+        raise argparse.ArgumentTypeError(f"head dim {n} is not supported by the kernels; use one of {HEAD_DIMS}")
+    return n
+
+
+def one_of(choices):  # --dtypes, --passes
+    def parse(text):
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"'{text}' is not one of {', '.join(choices)}")
+        return text
+    return parse
+
+
+def comma_list(item):  # type=comma_list(item): "a,b" -> [item("a"), item("b")], duplicates dropped
+    def parse(text):
+        return list(dict.fromkeys(item(part.strip()) for part in text.split(",")))
+    return parse
+
+
+def plot_problem(path, grid):  # why --plot cannot write `path`, checked before any work; or None
+    folder = os.path.dirname(os.path.abspath(path))
+    if INTERPRETED and not grid:
+        return "--plot draws the GPU benchmark, and this machine has no CUDA GPU (nothing is timed)"
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        return f"--plot {path} must name a PNG file in an existing, writable folder"
+    if importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib (pip install matplotlib)"
+    return None
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", help="comma-separated BxHxSxD, bf16, e.g. 1x16x16384x64 (default: the targets and fp32)")
-    p.add_argument("--repeats", type=int, default=2, help="times each shape is measured, every implementation in turn")
-    p.add_argument("--plot", help="draw fwd+bwd TFLOP/s per shape into this PNG (needs matplotlib)")
+    p.add_argument("--shapes", type=comma_list(shape), help="comma-separated BxHxSxD, bf16, e.g. 1x16x16384x64 "
+                   "(default: the targets and fp32)")
+    p.add_argument("--repeats", type=whole_number, default=2, help="times each shape is measured, every "
+                   "implementation in turn")
+    p.add_argument("--plot", help="draw fwd+bwd TFLOP/s per shape (with --grid: ms against S) into this PNG")
+    p.add_argument("--grid", action="store_true", help="the course's grid: batch 1, causal, ours vs plain PyTorch "
+                   "vs SDPA over every S, D, dtype and pass")
+    p.add_argument("--seqs", type=comma_list(power_of_two), help="grid sequence lengths (default 128,256,...,65536)")
+    p.add_argument("--dims", type=comma_list(head_dim), help="grid head dims (default 16,32,64,128)")
+    p.add_argument("--dtypes", type=comma_list(one_of(list(DTYPES))), help="grid dtypes (default bf16,fp32)")
+    p.add_argument("--passes", type=comma_list(one_of(list(GRID_PASSES))), help="grid passes (default all)")
     args = p.parse_args(argv)
-    for text in args.shapes.split(",") if args.shapes else []:
-        if not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*x(16|32|64|128)", text):
-            raise ValueError(f"--shapes takes positive BxHxSxD with D one of {HEAD_DIMS}, got '{text}'")
-    args.shapes = [(*map(int, s.split("x")), "bf16") for s in args.shapes.split(",")] if args.shapes else SHAPES
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
-    if args.plot:  # before any work: a GPU, a path this script can write, matplotlib (imported only here)
-        folder = os.path.dirname(os.path.abspath(args.plot))
-        if INTERPRETED:
-            raise ValueError("--plot draws the GPU benchmark, and this machine has no CUDA GPU (nothing is timed)")
-        if os.path.isdir(args.plot) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise ValueError(f"--plot {args.plot} must name a PNG file in an existing, writable folder")
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ValueError("--plot needs matplotlib (pip install matplotlib)")
+    narrowing = [flag for flag in ("seqs", "dims", "dtypes", "passes") if getattr(args, flag) is not None]
+    if narrowing and not args.grid:
+        p.error(f"--{narrowing[0]} narrows the grid: add --grid")
+    if args.grid and args.shapes:
+        p.error("--shapes chooses the benchmark's shapes; the grid takes --seqs and --dims")
+    problem = plot_problem(args.plot, args.grid) if args.plot else None
+    if problem:
+        p.error(problem)
     return args
 
 
+def self_check():
+    """No GPU: one small causal case in fp32, the kernels against section 4's reference; exit 1 if they differ."""
+    print("no CUDA GPU: the kernels run under TRITON_INTERPRET=1 against the PyTorch reference; no benchmark")
+    q, k, v, do = torch.randn(4, 2, 3, 80, 32, generator=torch.Generator().manual_seed(0))
+    outs = []
+    for fn in (FlashAttention, FlashAttentionTorch):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = fn.apply(*leaves, True)
+        outs.append((o, o.grad_fn.saved_tensors[-1], *torch.autograd.grad(o, leaves, do)))  # O, L, dQ, dK, dV
+    error = max(((a - b).norm() / b.norm()).item() for a, b in zip(*outs))
+    verdict = "ok" if error < 1e-5 else "FAIL"
+    print(f"summary: O, L, dQ, dK, dV within {error:.1e} of the reference (relative): {verdict}")
+    sys.exit(0 if error < 1e-5 else 1)
+
+
 def main(argv=None):
-    try:
-        args = parse_args(argv)
-    except ValueError as e:
-        fail(str(e))
-    if INTERPRETED:  # no GPU: one small causal case in fp32, the kernels against section 4's reference
-        print("no CUDA GPU: the kernels run under TRITON_INTERPRET=1 against the PyTorch reference; no benchmark")
-        q, k, v, do = torch.randn(4, 2, 3, 80, 32, generator=torch.Generator().manual_seed(0))
-        leaves = [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]
-        outs = [(o := fn.apply(*x, True), o.grad_fn.saved_tensors[-1], *torch.autograd.grad(o, x, do))
-                for fn, x in zip((FlashAttention, FlashAttentionTorch), leaves)]
-        error = max(((a - b).norm() / b.norm()).item() for a, b in zip(*outs))
-        verdict = "ok" if error < 1e-5 else "FAIL"
-        print(f"summary: O, L, dQ, dK, dV within {error:.1e} of the reference (relative): {verdict}")
-        sys.exit(0 if error < 1e-5 else 1)
+    args = parse_args(argv)
+    if args.grid:
+        grid(args.seqs, args.dims, args.dtypes, args.passes, args.plot)
+        return
+    if INTERPRETED:
+        self_check()
+    shapes, repeats, plot = args.shapes or SHAPES, args.repeats, args.plot
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    results = run_benchmark(args.shapes, args.repeats)
-    if args.plot:
-        plot_tflops(results, args.plot)
-    report(results, args.repeats)
+    results = run_benchmark(shapes, repeats)
+    if plot:
+        plot_tflops(results, plot)
+    report(results, repeats)
 
 
 if __name__ == "__main__":
@@ -648,3 +906,6 @@ if __name__ == "__main__":
         print(f"\ninterrupted ({signal.Signals(signum).name}): the tables above are complete, the rest did not run",
               file=sys.stderr)
         raise SystemExit(128 + signum) from None
+    except BrokenPipeError:  # piped into head: end quietly (stdout to /dev/null, or the exit's flush complains)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

@@ -768,6 +768,18 @@ def saved_tensor_bytes(fn, exclude=()):
     return sum(seen.values())
 
 
+def name_list(choices, what="name"):
+    """type=name_list(CHOICES, "section"): a comma list of names, each one of choices, as a list ("a,b" -> [a, b])."""
+    def parse(text):
+        items = [item.strip() for item in text.split(",")]
+        unknown = [item for item in items if item not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what} '{unknown[0]}'; choose from {', '.join(choices)}")
+        return items
+    parse.__name__ = f"list of {what}s"
+    return parse
+
+
 def round_up(n, multiple):  # round_up(50257, 128) == 50304
     return (n + multiple - 1) // multiple * multiple
 

@@ -17,16 +17,17 @@ import argparse
 import copy
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt import (E4M3, E5M2, FP8_LAYERS, FP8_MIN_WIDTH, Fp8Linear, GPT, GPT2_VOCAB, autocast, compare, compile_model,
-                 configure_optimizer, fail, fp8_mm, fp8_supported, free_memory, gib, is_oom, lazily, load_tokens,
-                 make_config, print_table, resolve_device, round_up, run_main, set_tf32, summarize, synchronize,
-                 time_rounds, to_fp8, train_step, use_fp8)
+from gpt import (E4M3, E5M2, FP8_LAYERS, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, PRESETS, Fp8Linear, autocast, compare,
+                 compile_model, configure_optimizer, fail, fp8_mm, fp8_supported, free_memory, gib, int_in, is_oom,
+                 lazily, load_tokens, make_config, name_list, on_device, print_table, resolve_device, round_up,
+                 run_main, set_tf32, summarize, synchronize, time_rounds, to_fp8, train_step, use_fp8)
 
 SECTIONS = ("formats", "accumulate", "autocast", "layernorm", "tf32", "gradscaler", "mixed", "fp8")
 CUDA_ONLY = ("gradscaler", "mixed")
@@ -59,7 +60,7 @@ def formats_table():
     return rows
 
 
-def section_formats(args, device):
+def section_formats(settings, device):
     print_table(FORMAT_HEADERS, formats_table())
     print("takeaway: bf16 and TF32 keep fp32's exponent (range to 3.4e38) with 8 and 11 significant "
           "bits; fp16 buys 3 more bits of resolution with a range that ends at 65504; FP8 spans so few "
@@ -111,7 +112,7 @@ def accumulate_rows():
     return rows
 
 
-def section_accumulate(args, device):
+def section_accumulate(settings, device):
     print_table(["sum", "acc", "addend", "cast", "addend stored", "sum dtype", "result",
                  "rel error", "stops growing"], accumulate_rows())
     print("takeaway: once the addend is below half an ulp of the running sum, round-to-nearest "
@@ -152,7 +153,7 @@ def autocast_dtypes(device, dtype, batch=32):
     return seen
 
 
-def section_autocast(args, device):
+def section_autocast(settings, device):
     captured = {name: autocast_dtypes(device, dtype) for name, dtype in LOW.items()}
     rows = [[what] + [SHORT[captured[n][what]] for n in LOW] for what in captured["bf16"]]  # in the order seen
     print_table(["tensor (toy Linear-ReLU-LayerNorm-Linear)"] + [f"autocast {n} on {device.type}" for n in LOW], rows)
@@ -190,7 +191,7 @@ def layernorm_case(offset, scale, rows=64, width=768):
     return out
 
 
-def section_layernorm(args, device):
+def section_layernorm(settings, device):
     rows = []
     for offset, scale in ((0.0, 1.0), (0.0, 30.0), (0.0, 100.0), (0.0, 1000.0), (10.0, 0.1), (100.0, 1.0)):
         r = layernorm_case(offset, scale)
@@ -210,7 +211,7 @@ def section_layernorm(args, device):
 MATMUL_MODES = ("fp32 ieee", "tf32", "bf16", "fp16")
 
 
-def matmul_rows(device, sizes, args):
+def matmul_rows(device, sizes, settings):
     """Table rows, and {mode: (Timing, rel error)} at the largest size for the takeaway. The
     modes of one size run interleaved in gpt.py's timer; TF32 is a process-wide switch, so each
     variant sets it before queueing its matmul."""
@@ -226,7 +227,7 @@ def matmul_rows(device, sizes, args):
             set_tf32(mode == "tf32")
             errors[mode] = ((x @ y).double() - ref).norm().item() / ref.norm().item()
             ops[mode] = lambda x=x, y=y, tf32=mode == "tf32": (set_tf32(tf32), x @ y)
-        stats = compare(ops, device, baseline="fp32 ieee", rounds=args.rounds, steps=args.steps)
+        stats = compare(ops, device, baseline="fp32 ieee", rounds=settings.rounds, steps=settings.steps)
         set_tf32(False)
         for mode in MATMUL_MODES:
             t = stats.get(mode)
@@ -244,20 +245,20 @@ def seeded_model(config, batch, T, device):
     return model, configure_optimizer(model, lr=1e-4), torch.randint(0, 50257, (batch, T), device=device)
 
 
-def tf32_memory_rows(args, device):
+def tf32_memory_rows(settings, device):
     """A GPT training step with TF32 off and on, and where its memory goes. cuBLAS workspaces come
     out of the caching allocator, hidden inside memory_allocated: clearing them after the step
     and watching memory_allocated drop measures them. What cuBLAS allocates by itself shows only
     in the device-wide figure from cudaMemGetInfo (which also holds the CUDA context)."""
-    config = make_config(args.model)
-    T = min(args.seq, config.block_size)
+    config = make_config(settings.model)
+    T = min(settings.seq, config.block_size)
     rows, measured = [], {}
     for enabled in (False, True):
         set_tf32(enabled)
         torch._C._cuda_clearCublasWorkspaces()  # each setting starts without the other's workspace
         free_memory()  # the previous row's tensors, so that each row's figures are its own
         torch.cuda.reset_peak_memory_stats(device)
-        model, optimizer, x = seeded_model(config, args.batch, T, device)
+        model, optimizer, x = seeded_model(config, settings.batch, T, device)
         for _ in range(2):  # the first step creates AdamW's state and the workspaces
             train_step(model, optimizer, x, x)
         synchronize(device)
@@ -265,8 +266,8 @@ def tf32_memory_rows(args, device):
         reserved, (free, total) = torch.cuda.memory_reserved(device), torch.cuda.mem_get_info(device)
         torch._C._cuda_clearCublasWorkspaces()
         workspace = allocated - torch.cuda.memory_allocated(device)
-        rows.append([f"{args.model} B={args.batch} T={T}", "on" if enabled else "off", gib(allocated), gib(peak),
-                     gib(reserved), f"{workspace / 2**20:.1f}", gib(total - free)])
+        rows.append([f"{settings.model} B={settings.batch} T={T}", "on" if enabled else "off", gib(allocated),
+                     gib(peak), gib(reserved), f"{workspace / 2**20:.1f}", gib(total - free)])
         measured[enabled] = (peak, reserved, workspace, total - free)
         del model, optimizer, x
     set_tf32(False)
@@ -274,10 +275,10 @@ def tf32_memory_rows(args, device):
     return rows, measured
 
 
-def section_tf32(args, device):
+def section_tf32(settings, device):
     sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256)
-    rows, largest = matmul_rows(device, sizes, args)
-    print(f"n x n @ n x n, {args.rounds} rounds of {args.steps} matmuls per mode")
+    rows, largest = matmul_rows(device, sizes, settings)
+    print(f"n x n @ n x n, {settings.rounds} rounds of {settings.steps} matmuls per mode")
     print_table(["n", "mode", "ms, median (min-max)", "TFLOP/s", "time vs fp32 (paired)", "rel error vs fp64"], rows)
     errors = ", ".join(f"{m} {e:.1e}" for m, (_, e) in largest.items())
     speedups = ", ".join(f"{m} {1 / t.ratio:.1f}x" for m, (t, _) in largest.items() if m != "fp32 ieee")
@@ -286,7 +287,7 @@ def section_tf32(args, device):
     if device.type != "cuda":
         return
     print("\nGPT training step, TF32 off vs on, after 2 steps (memory only: the step time is section 7's)")
-    rows, measured = tf32_memory_rows(args, device)
+    rows, measured = tf32_memory_rows(settings, device)
     print_table(["model", "TF32", "allocated after step (GiB)", "max allocated (GiB)", "reserved (GiB)",
                  "cuBLAS workspaces in allocated (MiB)", "device used (GiB)"], rows)
     diff = [(on - off) / 2**20 for off, on in zip(measured[False], measured[True])]
@@ -297,7 +298,7 @@ def section_tf32(args, device):
 # takeaway: TF32 rounds a matmul's fp32 inputs; it changes speed and error, not what is stored.
 
 # --- 6. gradscaler: fp16 gradients that vanish without loss scaling
-def gradscaler_run(dtype, use_scaler, tokens, args, device):
+def gradscaler_run(dtype, use_scaler, tokens, settings, device):
     torch.manual_seed(0)
     config = make_config("tiny")
     model = GPT(config).to(device)
@@ -312,9 +313,9 @@ def gradscaler_run(dtype, use_scaler, tokens, args, device):
         counts["nonfinite"] += (~torch.isfinite(grad_output[0])).sum().item()
         counts["total"] += grad_output[0].numel()
     hooks = [m.register_full_backward_hook(hook) for m in model.modules() if isinstance(m, nn.Linear)]
-    T, B = config.block_size, args.batch
+    T, B = config.block_size, settings.batch
     losses, skipped = [], 0
-    for step in range(args.steps):
+    for step in range(settings.steps):
         chunk = tokens[step * B * T:(step + 1) * B * T + 1].to(device)
         x, y = chunk[:-1].view(B, T), chunk[1:].view(B, T)
         scale = scaler.get_scale() if scaler else None
@@ -329,11 +330,11 @@ def gradscaler_run(dtype, use_scaler, tokens, args, device):
             skipped if scaler else "-"]
 
 
-def section_gradscaler(args, device):
+def section_gradscaler(settings, device):
     tokens = load_tokens()
-    rows = [gradscaler_run(dtype, use_scaler, tokens, args, device)
+    rows = [gradscaler_run(dtype, use_scaler, tokens, settings, device)
             for dtype, use_scaler in ((torch.float16, False), (torch.float16, True), (torch.bfloat16, False))]
-    print(f"tiny GPT, B={args.batch} T=256, {args.steps} steps of AdamW lr 1e-3 on input.txt")
+    print(f"tiny GPT, B={settings.batch} T=256, {settings.steps} steps of AdamW lr 1e-3 on input.txt")
     print_table(["run", "act-grad zero (%)", "act-grad inf/nan (%)", "loss first", "loss last", "final scale",
                  "skipped steps"], rows)
     zeros = ", ".join(f"{row[0]} {row[1]}%" for row in rows)
@@ -348,10 +349,10 @@ MIXED_MODES = (("fp32", None, False), ("tf32", None, True), ("bf16 autocast", to
                ("fp16 autocast + scaler", torch.float16, False))
 
 
-def mixed_step(config, T, dtype, tf32, args, device):
+def mixed_step(config, T, dtype, tf32, settings, device):
     """One precision's training step, its model built when gpt.lazily first calls this (in the timer's
     warm-up, where an out-of-memory marks this row alone)."""
-    model, optimizer, x = seeded_model(config, args.batch, T, device)
+    model, optimizer, x = seeded_model(config, settings.batch, T, device)
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     def step():
@@ -360,27 +361,27 @@ def mixed_step(config, T, dtype, tf32, args, device):
     return step
 
 
-def section_mixed(args, device):
+def section_mixed(settings, device):
     rows, gains = [], []
-    for model_name in args.models:
+    for model_name in settings.models:
         config = make_config(model_name)
-        T = min(args.seq, config.block_size)
-        variants = {mode: lazily(partial(mixed_step, config, T, dtype, tf32, args, device), device)
+        T = min(settings.seq, config.block_size)
+        variants = {mode: lazily(partial(mixed_step, config, T, dtype, tf32, settings, device), device)
                     for mode, dtype, tf32 in MIXED_MODES}
-        print(f"  {model_name}: {len(variants)} precisions, {args.rounds} rounds", flush=True)
-        times, peaks = time_rounds(variants, device, args.rounds, args.steps)
+        print(f"  {model_name}: {len(variants)} precisions, {settings.rounds} rounds", flush=True)
+        times, peaks = time_rounds(variants, device, settings.rounds, settings.steps)
         set_tf32(False)
         # the timer's peak is process-wide: a row's own is that minus what the other rows held then
         stats = summarize(times, "fp32", {m: p - variants[m].state["others"] for m, p in peaks.items()})
         for mode, t in stats.items():
-            rows.append([f"{model_name} B={args.batch} T={T}", mode] + (["OOM"] * 4 if t is None else
-                        [t.ms(1), f"{args.batch * T / t.median:.1f}", gib(t.peak), t.vs()]))
+            rows.append([f"{model_name} B={settings.batch} T={T}", mode] + (["OOM"] * 4 if t is None else
+                        [t.ms(1), f"{settings.batch * T / t.median:.1f}", gib(t.peak), t.vs()]))
         fp32, bf16 = stats["fp32"], stats["bf16 autocast"]
         if fp32 and bf16:
             gains.append(f"{model_name} {1 / bf16.ratio:.2f}x the speed at {bf16.peak / fp32.peak:.2f}x peak memory")
         del variants
         free_memory()
-    print(f"train step, {args.rounds} rounds of {args.steps} steps, all precisions of a model interleaved; "
+    print(f"train step, {settings.rounds} rounds of {settings.steps} steps, all precisions of a model interleaved; "
           "peak = max_memory_allocated of that row alone")
     print_table(["model", "precision", "step ms, median (min-max)", "k tokens/s", "peak allocated (GiB)",
                  "time vs fp32 (paired)"], rows)
@@ -496,12 +497,12 @@ def layer_variants(name, K, N, M, device):
     return {k: lambda layer=layer, run=run: fwd_bwd(layer, run) for k, (layer, run) in runs.items()}
 
 
-def section_fp8(args, device):
+def section_fp8(settings, device):
     print_table(FORMAT_HEADERS, [row for row in formats_table() if row[0].startswith("fp8")])
     cuda = device.type == "cuda"
-    B, T = (args.batch, args.seq) if cuda else (1, min(args.seq, 128))
-    rows, found = fp8_error_rows(capture_linear_tensors(args.model, B, T, device, torch.bfloat16 if cuda else None))
-    print(f"\nreal tensors ({args.model} at initialisation, B={B} T={T} of input.txt"
+    B, T = (settings.batch, settings.seq) if cuda else (1, min(settings.seq, 128))
+    rows, found = fp8_error_rows(capture_linear_tensors(settings.model, B, T, device, torch.bfloat16 if cuda else None))
+    print(f"\nreal tensors ({settings.model} at initialisation, B={B} T={T} of input.txt"
           f"{', bf16 autocast' if cuda else ''}), each cell tensorwise / row-wise scaling")
     print_table(["tensor", "shape", "row amax spread (binades)", "e4m3 error (%)", "e5m2 error (%)",
                  "e4m3 below smallest normal (%)", "e5m2 below smallest normal (%)"], rows)
@@ -515,69 +516,88 @@ def section_fp8(args, device):
     if not fp8_supported(device):
         print("GEMM speed and the per-layer table need FP8 tensor cores: run on an H100/H200.")
         return
-    config = make_config(args.model)
+    config = make_config(settings.model)
     with torch.device("meta"):  # what gpt.use_fp8 would convert in this model, asked of gpt.use_fp8
         converted = {name.split(".", 2)[2] for name, *_, chosen in use_fp8(GPT(config)) if chosen}
     gemm_rows, layer_rows, gains = [], [], []
     torch._dynamo.config.automatic_dynamic_shapes = False  # one graph per layer shape, each kept:
     torch._dynamo.config.recompile_limit = max(16, torch._dynamo.config.recompile_limit)
     for name, K, N in fp8_shapes(config):
-        stats = compare(gemm_variants(FP8_TOKENS, K, N, device), device, "bf16", args.rounds, args.steps)
+        stats = compare(gemm_variants(FP8_TOKENS, K, N, device), device, "bf16", settings.rounds, settings.steps)
         gemm_rows += [[name, f"{FP8_TOKENS}x{K}x{N}", variant, t.ms(3),
                        f"{2 * FP8_TOKENS * K * N / t.median / 1e9:.0f}", t.vs()] for variant, t in stats.items()]
         print(f"  {name}: compiling nn.Linear and Fp8Linear...", flush=True)
-        stats = compare(layer_variants(name, K, N, FP8_TOKENS, device), device, "nn.Linear bf16", args.rounds,
-                        args.steps)
+        stats = compare(layer_variants(name, K, N, FP8_TOKENS, device), device, "nn.Linear bf16", settings.rounds,
+                        settings.steps)
         ref, t = stats["nn.Linear bf16"], stats["Fp8Linear"]
         gains += [name] if t.ratio_high < 1 else []
         layer_rows.append([name, ref.ms(3), t.ms(3), t.vs(), "yes" if t.ratio_high < 1 else "no",
                            "yes" if name in converted else "no"])
         free_memory()
-    print(f"\nGEMMs x @ w^T, {FP8_TOKENS} tokens, bf16 out, {args.rounds} rounds of {args.steps}")
+    print(f"\nGEMMs x @ w^T, {FP8_TOKENS} tokens, bf16 out, {settings.rounds} rounds of {settings.steps}")
     print_table(["layer", "M x K x N", "GEMM", "ms, median (min-max)", "TFLOP/s", "time vs bf16 (paired)"], gemm_rows)
-    print(f"\none {args.model} Linear alone, forward + backward (3 GEMMs), compiled, {FP8_TOKENS} tokens, "
-          f"{args.rounds} rounds of {args.steps}")
+    print(f"\none {settings.model} Linear alone, forward + backward (3 GEMMs), compiled, {FP8_TOKENS} tokens, "
+          f"{settings.rounds} rounds of {settings.steps}")
     print_table(["layer", "nn.Linear bf16, ms", "Fp8Linear, ms", "time vs bf16 (paired)", "FP8 faster every round",
                  "gpt.use_fp8 converts"], layer_rows)
     print(f"takeaway: alone, FP8 is faster in every round at {', '.join(gains) or 'no layer'}; gpt.use_fp8 "
-          f"converts {', '.join(sorted(converted)) or 'none'} of {args.model}'s (both widths >= {FP8_MIN_WIDTH}, "
+          f"converts {', '.join(sorted(converted)) or 'none'} of {settings.model}'s (both widths >= {FP8_MIN_WIDTH}, "
           "a line drawn by timing whole compiled blocks); the bare FP8 GEMM is the ceiling, the casts what "
           "it must beat.")
 
 # takeaway: FP8 pays only where the GEMM's saving beats the casts around it.
 
 # --- main
-def main(argv=None):
+RUNS = {"formats": section_formats, "accumulate": section_accumulate, "autocast": section_autocast,
+        "layernorm": section_layernorm, "tf32": section_tf32, "gradscaler": section_gradscaler, "mixed": section_mixed,
+        "fp8": section_fp8}  # SECTIONS, in order
+
+
+@dataclass(frozen=True)
+class Settings:  # the flags as plain values, read once in main; every section takes them
+    model: str
+    models: list
+    batch: int
+    seq: int
+    steps: int
+    rounds: int
+
+
+def parse_args(argv):
+    """The flags, each validated by its type= helper (a bad value: argparse's one-line error, exit 2)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of sections: {', '.join(SECTIONS)}")
+    parser.add_argument("--only", type=name_list(SECTIONS, "section"), default=list(SECTIONS),
+                        help=f"comma list of sections: {', '.join(SECTIONS)}")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    parser.add_argument("--model", default="gpt2", help="model of the TF32 step (5), FP8 tensors and shapes (8)")
-    parser.add_argument("--models", default="tiny,gpt2", help="comma list of models for section 7")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, help="context (default 1024; capped at each model's block size)")
-    parser.add_argument("--steps", type=int, default=10, help="steps per variant per round (sections 5-8)")
-    parser.add_argument("--rounds", type=int, help="timed rounds (default 10; CPU 3)")
-    args = parser.parse_args(argv)
-    only = [s.strip() for s in args.only.split(",") if s.strip()]
-    if not only or any(n not in SECTIONS for n in only):
-        fail(f"unknown section '{','.join(n for n in only if n not in SECTIONS) or args.only}'; "
-             f"choose from {', '.join(SECTIONS)}")
+    parser.add_argument("--model", choices=list(PRESETS), default="gpt2",
+                        help="model of the TF32 step (5), FP8 tensors and shapes (8)")
+    parser.add_argument("--models", type=name_list(list(PRESETS), "model"), default=["tiny", "gpt2"],
+                        help="comma list of models for section 7")
+    parser.add_argument("--batch", type=int_in(1, 4096), default=8)
+    parser.add_argument("--seq", type=int_in(1), help="context (default 1024; at most the models' block size)")
+    parser.add_argument("--steps", type=int_in(1, 1000), default=10, help="steps per variant per round (sections 5-8)")
+    parser.add_argument("--rounds", type=int_in(1, 1000), help="timed rounds (default 10; CPU 3)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    only = args.only
     try:
         device = resolve_device(args.device)
-        args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-        configs = [make_config(name) for name in [args.model, *args.models]]
     except ValueError as e:
         fail(str(e))
-    longest = max(c.block_size for c in configs)
-    args.seq = min(1024, longest) if args.seq is None else args.seq
-    for flag, value, low, high in (("--batch", args.batch, 1, 4096), ("--seq", args.seq, 1, longest),
-                                   ("--steps", args.steps, 1, 1000), ("--rounds", args.rounds, 1, 1000)):
-        if value is not None and not low <= value <= high:
-            fail(f"{flag} must be between {low} and {high}, got {value}")
-    args.rounds = args.rounds or (10 if device.type == "cuda" else 3)
-    print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}" if device.type == "cuda" else
-          f"device: cpu, torch {torch.__version__}: small sizes, seconds-long; {', '.join(CUDA_ONLY)}, "
-          "the TF32 parts and FP8 speed need CUDA")
+    longest = max(make_config(name).block_size for name in [args.model, *args.models])
+    if args.seq is not None and args.seq > longest:
+        fail(f"--seq must be at most {longest}, the longest block size of these models, got {args.seq}")
+    seq = min(1024, longest) if args.seq is None else args.seq
+    settings = Settings(args.model, args.models, args.batch, seq, args.steps,
+                        args.rounds or on_device(device, cpu=3, gpu=10))
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    else:
+        print(f"device: cpu, torch {torch.__version__}: small sizes, seconds-long; {', '.join(CUDA_ONLY)}, "
+              "the TF32 parts and FP8 speed need CUDA")
     skipped = [name for name in only if name in CUDA_ONLY and device.type != "cuda"]
     for i, name in enumerate(SECTIONS, 1):
         if name not in only:
@@ -587,15 +607,15 @@ def main(argv=None):
             print("skipped: needs CUDA")
             continue
         try:
-            globals()[f"section_{name}"](args, device)
+            RUNS[name](settings, device)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not is_oom(e):
                 raise
             fail(f"out of GPU memory in section {name}; try a smaller --batch or --seq")
         synchronize(device)
     ran = [name for name in SECTIONS if name in only and name not in skipped]
-    print(f"\nprecision.py on {device.type}: ran {', '.join(ran) or 'nothing'}"
-          + (f"; skipped {', '.join(skipped)} (needs CUDA)" if skipped else ""))
+    skipped_text = f"; skipped {', '.join(skipped)} (needs CUDA)" if skipped else ""
+    print(f"\nprecision.py on {device.type}: ran {', '.join(ran) or 'nothing'}{skipped_text}")
 
 
 if __name__ == "__main__":

@@ -533,17 +533,18 @@ def test_train_gpu_recompute_fp8_fused_ce_compile():
 def test_bench_attention_sweep_saved_bytes_and_script():
     args = ba.parse_args(["--impl", "naive,flash,efficient,math", "--d", "16", "--seq", "32,64", "--rounds", "3",
                           "--steps", "1", "--warmup", "1", "--dtype", "fp32", "--causal", "--device", "cpu"])
-    results, _ = ba.run_sweep(args, ba.make_impls(args.impl, args.device), args.device, torch.float32)
+    device = torch.device("cpu")
+    sweep = ba.sweep_from(args, device)
+    results, _ = ba.run_sweep(sweep, ba.make_impls(sweep.impls, device), device)
     assert set(results) == {(16, 32), (16, 64)}, results
     for row in results.values():
         for t in (row[name][mode] for name in ("naive", "flash", "math") for mode in ("fwd", "both")):
             assert 0 < t.low <= t.median <= t.high and t.ratio_low <= t.ratio <= t.ratio_high, t
         assert row["flash"]["both"].ratio == 1.0  # the baseline against itself, round by round
         assert HAS_CUDA or row["efficient"] == ("n/a", "needs CUDA"), row["efficient"]  # n/a, not a crash
-    # what naive attention keeps for backward (one B*H*S*S matrix): predicted from the shapes = counted by hooks
+    # what naive attention keeps for backward (one B*H*S*S matrix): predicted from the shapes = gpt's counter
     for B, H, S, D, dtype in [(2, 3, 48, 16, torch.float32), (1, 2, 40, 8, torch.bfloat16)]:
-        q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=True) for _ in range(3))
-        measured = ba.measure_saved_bytes(gpt.naive_attention, q, k, v)
+        measured = ba.counted_saved_bytes(B, H, S, D, dtype, device)
         assert ba.naive_saved_bytes(B, H, S, D, dtype) == measured, (B, H, S, D, dtype, measured)
     with tempfile.TemporaryDirectory() as tmp:
         plot = ["--plot", os.path.join(tmp, "a.png")] if importlib.util.find_spec("matplotlib") else []
@@ -554,12 +555,13 @@ def test_bench_attention_sweep_saved_bytes_and_script():
 
 def test_bench_attention_bad_input():
     check_bad_inputs("bench_attention.py", [
-        ("--d 0", "--d values must be positive"), ("--seq 1k", "comma-separated integers"),
+        ("--d 0", "--d: must be at least 1"), ("--seq 1k", "--seq"), ("--seq 64,", "comma list"),
         ("--impl naive,bogus", "unknown implementation 'bogus'"), ("--device banana", "not a device"),
-        ("--rounds 0", "--rounds must be at least 1"), ("--steps 0", "--steps must be at least 1"),
-        ("--warmup -1", "non-negative"), ("--batch 0", "--batch"), ("--heads 0", "--heads"),
+        ("--rounds 0", "--rounds: must be at least 1"), ("--steps 0", "--steps: must be at least 1"),
+        ("--warmup -1", "--warmup: must be at least 0"), ("--batch 0", "--batch"), ("--heads 0", "--heads"),
         ("--impl flash --baseline naive", "--baseline naive"), ("--memory-fraction 1.5", "memory-fraction"),
-        ("--plot /nonexistent/a.png", "--plot"), ("--device cpu --batch 10000000", "of this machine's memory")])
+        ("--memory-fraction 0.5 --device cpu", "needs a CUDA device"), ("--plot /nonexistent/a.png", "--plot"),
+        ("--device cpu --batch 10000000", "of this machine's memory")])
 
 @gpu
 def test_bench_attention_oom_row_then_next_runs():
@@ -572,12 +574,14 @@ def test_bench_attention_oom_row_then_next_runs():
 
 # --- 4. precision.py: IEEE accumulation, autocast capture, LayerNorm overflow, FP8 scaling
 
+def ieee_sum(dtype, addend, n):  # numpy's add.accumulate adds one element at a time, rounding each sum to the dtype
+    return float(np.add.accumulate(np.full(n, addend, dtype=dtype))[-1])
+
 def test_precision_cpu_accumulate_autocast_layernorm_fp8():
     out, err = main_ok("precision.py", "--device", "cpu", "--model", "tiny", "--steps", 2, "--rounds", 2)
     assert all(f"== {n}. {name}" in out for n, name in enumerate(precision.SECTIONS, 1)), err + out
     assert out.count("takeaway") == 6 and out.count("skipped: needs CUDA") == 2 and "need FP8 tensor cores" in out
-    # numpy's add.accumulate adds one element at a time, rounding each sum to the dtype: IEEE's answer
-    ieee_sum = lambda dtype, addend, n: float(np.add.accumulate(np.full(n, addend, dtype=dtype))[-1])  # noqa: E731
+    assert list(precision.RUNS) == list(precision.SECTIONS)  # every section runs, in the documented order
     fp16_sum, accumulate, ulp = ieee_sum(np.float16, np.float16(0.01), 1000), precision.accumulate, precision.ulp
     assert accumulate(0.01, 1000, torch.float16)["total"] == fp16_sum != 10.0
     for cast in ("implicit", "explicit"):  # an fp32 sum of the rounded fp16 addend, either way
@@ -604,7 +608,8 @@ def test_precision_cpu_accumulate_autocast_layernorm_fp8():
     (tensor_err, tensor_low), (row_err, row_low) = round_trip(rows, E4M3), round_trip(rows, E4M3, True)
     assert row_err == 0 < tensor_err and row_low < tensor_low, (tensor_err, row_err, tensor_low, row_low)
     t = torch.randn(64, 96) * torch.logspace(-3, 3, 64)[:, None]  # against the computation written out
-    direct = ((t * (s := 448 / t.abs().max())).to(E4M3).float() / s - t).norm() / t.norm()
+    s = 448 / t.abs().max()
+    direct = ((t * s).to(E4M3).float() / s - t).norm() / t.norm()
     assert abs(round_trip(t, E4M3)[0] - direct.item()) < 1e-6 * direct.item()
     got = precision.capture_linear_tensors("tiny", 1, 16, torch.device("cpu"))  # hooks see (softmax - onehot) / N
     assert len(got) == 10 and got["lm_head output grad"].shape == (16, 50257), list(got)
@@ -613,11 +618,11 @@ def test_precision_cpu_accumulate_autocast_layernorm_fp8():
 def test_precision_bad_input():
     check_bad_inputs("precision.py", [
         ("--only nosuch", "unknown section 'nosuch'"), ("--only formats,nosuch", "choose from"),
-        ("--device banana", "not a device"), ("--device mps", "not supported"), ("--model gpt5", "unknown model"),
-        ("--models tiny,gpt5", "unknown model"), ("--batch 0", "--batch must be between"),
-        ("--seq 5000", "--seq must be between"), ("--seq 0", "--seq must be between"),
-        ("--steps 0", "--steps must be between"),
-        ("--rounds -1", "--rounds must be between"), ("--batch x", "invalid int value")])
+        ("--device banana", "not a device"), ("--device mps", "not supported"), ("--model gpt5", "invalid choice"),
+        ("--models tiny,gpt5", "unknown model 'gpt5'"), ("--batch 0", "--batch: must be at least 1"),
+        ("--batch 5000", "--batch: must be at most 4096"), ("--seq 5000", "--seq must be at most 1024"),
+        ("--seq 0", "--seq: must be at least 1"), ("--steps 0", "--steps: must be at least 1"),
+        ("--rounds -1", "--rounds: must be at least 1"), ("--batch x", "expected an integer")])
 
 @gpu
 def test_precision_gpu_sections_and_fp8_gemms():
@@ -626,7 +631,8 @@ def test_precision_gpu_sections_and_fp8_gemms():
     assert "autocast fp16 on cuda" in out and "skipped: needs CUDA" not in out and "OOM" not in out, out
     assert out.count("takeaway") >= 5 and "GradScaler" in out, out
     if gpt.fp8_supported("cuda"):  # every FP8 GEMM variant against bf16, within e4m3's few-percent rounding
-        ref = (ops := precision.gemm_variants(256, 128, 512, torch.device("cuda")))["bf16"]().float()
+        ops = precision.gemm_variants(256, 128, 512, torch.device("cuda"))
+        ref = ops["bf16"]().float()
         assert all(rel_err(op().float(), ref) < 0.1 for op in ops.values())
 
 # --- 5. bench_e2e.py: ladder, sweep, output GEMMs, profile, bad input
@@ -989,6 +995,35 @@ def test_flash_interpreter_reference_script_bad_input():
     # TRITON_INTERPRET=1 must be set before triton is imported: a fresh process (this one may have imported it)
     run("-c", "import test_all; test_all.flash_interpreted()", timeout=300, TRITON_INTERPRET="1")
 
+def grid_rows(out):  # the --grid tables' rows, split: dtype, D, S, a ms per implementation, the ratios
+    return [line.split() for line in out.splitlines() if re.match(r"(bf16|fp16|fp32) +\d+ +\d+ ", line)]
+
+def flash_grid_interpreted():
+    import flash_triton as ft
+    out, err = main_ok("flash_triton.py", "--grid", "--seqs", "16,32", "--dims", "16", "--dtypes", "fp32")
+    assert out.count("ours ms  pytorch ms  sdpa ms") == 3 and out.strip().splitlines()[-1].startswith("summary:"), out
+    rows = grid_rows(out)  # a row per (S, pass), a time from every implementation
+    assert [r[2] for r in rows] == ["16", "32"] * 3 and all(float(x) > 0 for r in rows for x in r[3:]), out
+    def plain_oom_at_32(q, k, v, causal):  # plain PyTorch out of memory at S=32 alone: the grid must go on
+        if q.shape[-2] == 32:
+            raise torch.OutOfMemoryError("CUDA out of memory (mocked)")
+        return ft.plain_attention(q, k, v, causal)
+    with contextlib.redirect_stdout(io.StringIO()) as got:
+        ft.grid([16, 32, 64], [16], ["fp32"], ["bwd", "fwd"], None, {**ft.GRID_IMPLS, "pytorch": plain_oom_at_32})
+    rows = grid_rows(got.getvalue())  # fwd, then bwd: the passes in their order
+    assert [(r[2], r[4]) for r in rows if r[4] == "OOM" or r[6] == "n/a"] == [("32", "OOM")] * 2, got.getvalue()
+    assert all(float(r[3]) > 0 and float(r[5]) > 0 for r in rows), got.getvalue()  # ours and SDPA: every cell
+    assert got.getvalue().strip().endswith("; OOM: pytorch fp32 D16 S32"), got.getvalue()  # the summary names it
+    check_bad_inputs("flash_triton.py", [
+        ("--grid --seqs 100", "sequence length 100 is not a power of two"), ("--grid --seqs 0", "power of two"),
+        ("--grid --seqs 128,x", "'x' is not a whole number"), ("--grid --dims 48", "head dim 48 is not supported"),
+        ("--grid --dims 64,-1", "not a whole number"), ("--grid --dtypes fp64", "'fp64' is not one of"),
+        ("--grid --passes fwd,sideways", "'sideways' is not one of"), ("--seqs 128", "add --grid"),
+        ("--grid --shapes 1x1x64x64", "--shapes"), ("--grid --plot /nonexistent/a.png", "--plot")])
+
+def test_flash_grid_interpreter_cells_oom_bad_input():
+    run("-c", "import test_all; test_all.flash_grid_interpreted()", timeout=300, TRITON_INTERPRET="1")
+
 @gpu
 def test_flash_gpu_matches_reference(dtypes=(torch.float32, torch.float16, torch.bfloat16)):
     # full size, every dtype (or those asked for); D128 loads through TMA descriptors, the others by pointer
@@ -997,6 +1032,13 @@ def test_flash_gpu_matches_reference(dtypes=(torch.float32, torch.float16, torch
                 [((2, 4, 1024, 64), (2, 4, 1024, 64), True), ((1, 3, 517, 32), (1, 3, 781, 32), False),
                  ((2, 1000, 128), (2, 1000, 128), True), ((1, 2, 300, 16), (1, 2, 300, 16), True),
                  ((2, 2, 3, 256, 64), (2, 2, 3, 256, 64), True)])
+
+@gpu
+def test_flash_grid_gpu_prints_every_cell():
+    out, _ = main_ok("flash_triton.py", "--grid", "--seqs", "256,1024", "--dims", "64", "--dtypes", "bf16,fp32")
+    rows = grid_rows(out)  # 2 dtypes x 2 seqs x 3 passes, every cell a time: nothing runs out of memory this small
+    assert len(rows) == 12 and all(len(r) == 8 and float(x) > 0 for r in rows for x in r[3:]), out
+    assert out.strip().splitlines()[-1].startswith("summary:") and "no OOM" in out, out
 
 @gpu
 def test_flash_torch_compile():
