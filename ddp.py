@@ -195,7 +195,8 @@ class ZeRO2(BucketDDP):
 
     def all_gather_parameters(self):
         """After the optimizer stepped this rank's slices: every rank gets every slice."""
-        return [all_gather_into(flat, flat.chunk(self.world)[dist.get_rank()], async_op=True) for flat in self.params]
+        rank = dist.get_rank()
+        return [all_gather_into(flat, flat.chunk(self.world)[rank], async_op=True) for flat in self.params]
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """AdamW's two fp32 tensors per parameter for ~1/world of the parameters on each rank. ZeRO-1: each parameter
@@ -262,7 +263,8 @@ class FSDP(DataParallel):
         self.slots = [[] for _ in range(len(layers) + 1)]  # per unit: (module, name, parameter) to install
         self.sharded = [[] for _ in self.slots]  # per unit: the parameters it gathers
         self.full, self.shard_of = {}, {}  # shard: (full tensor, alias to write it, rows); full: shard
-        for m, name, p in [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]:
+        owned = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
+        for m, name, p in owned:  # every module's own parameters: a tied one under each module that holds it
             self.slots[unit_of.get(m, 0)].append((m, name, p))
             if p.requires_grad and p.dim() >= 2 and p not in self.full:
                 self.shard_(p)
@@ -433,9 +435,10 @@ def train_toy(model, optimizer, steps, rank=0, world=1, dtype=None, parts=1):
                 cast = {n: p.to(dtype) for n, p in model.named_parameters()}
                 loss = torch.func.functional_call(model, cast, (x[part], y[part]))[1]
             loss.backward()
-        for p in model.parameters() if parts > 1 else []:  # the mean over the slices, in fp32 as the ranks take it
-            if p.grad is not None:
-                p.grad /= parts
+        if parts > 1:  # the mean over the slices, in fp32 as the ranks take it
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad /= parts
         getattr(model, "finish_gradient_synchronization", lambda: None)()
         if optimizer is not None:
             optimizer.step()
@@ -449,13 +452,18 @@ def toy_state(model):
 
 TINY = 0.0002  # MB: a bucket or two per parameter
 # name: (wrapper, optimizer, tolerance). ZeRO-1 is BucketDDP with a ShardedOptimizer.
-TOY_VARIANTS = {"naive": (NaiveDDP, "sgd", 2e-6), "flat": (FlatDDP, "sgd", 2e-6), "overlap": (OverlapDDP, "sgd", 2e-6),
-                "bucket": (partial(BucketDDP, bucket_mb=TINY), "sgd", 2e-6),
-                "bucket-bf16": (partial(BucketDDP, bucket_mb=TINY, comm_dtype=torch.bfloat16), "sgd", 1e-2),
-                "zero1-adamw": (partial(BucketDDP, bucket_mb=TINY), "zero-adamw", 2e-6),
-                "zero2-adamw": (partial(ZeRO2, bucket_mb=TINY), "zero-adamw", 2e-6),
-                "fsdp": (FSDP, "sgd", 2e-6), "fsdp-adamw": (FSDP, "adamw", 2e-6),
-                "fsdp-fp16": (partial(FSDP, compute_dtype=torch.float16), "sgd", 2e-6)}
+TOY_VARIANTS = {
+    "naive": (NaiveDDP, "sgd", 2e-6),
+    "flat": (FlatDDP, "sgd", 2e-6),
+    "overlap": (OverlapDDP, "sgd", 2e-6),
+    "bucket": (partial(BucketDDP, bucket_mb=TINY), "sgd", 2e-6),
+    "bucket-bf16": (partial(BucketDDP, bucket_mb=TINY, comm_dtype=torch.bfloat16), "sgd", 1e-2),
+    "zero1-adamw": (partial(BucketDDP, bucket_mb=TINY), "zero-adamw", 2e-6),
+    "zero2-adamw": (partial(ZeRO2, bucket_mb=TINY), "zero-adamw", 2e-6),
+    "fsdp": (FSDP, "sgd", 2e-6),
+    "fsdp-adamw": (FSDP, "adamw", 2e-6),
+    "fsdp-fp16": (partial(FSDP, compute_dtype=torch.float16), "sgd", 2e-6),
+}
 
 def selftest_worker(rank, world, device, steps, variants):
     """Per variant: every rank's weights against one process from rank 0's initial weights; FSDP's gradients
@@ -467,18 +475,21 @@ def selftest_worker(rank, world, device, steps, variants):
         initial, optimizer = toy_state(wrapped), toy_optimizer(wrapped.module, kind)
         train_toy(wrapped, optimizer, steps, rank, world)
         final, ok = gather(toy_state(wrapped)), True
-        if isinstance(wrapped, FSDP):
+        if isinstance(wrapped, FSDP):  # one more backward: the gradients as the optimizer would see them
             train_toy(wrapped, None, 1, rank, world)
+            shaped = all(p.grad.dtype == torch.float32 and p.grad.shape == p.shape for p in wrapped.trainable)
             replicated = gather([p.grad.cpu() for p in wrapped.replicated])
-            ok = all(gather(all(p.grad.dtype == torch.float32 and p.grad.shape == p.shape for p in wrapped.trainable)))
+            ok = all(gather(shaped))
             ok &= all(torch.equal(a, b) for r in replicated for a, b in zip(r, replicated[0]))
-        if isinstance(optimizer, ShardedOptimizer):
+        if isinstance(optimizer, ShardedOptimizer):  # every parameter's state on one rank, no rank with all of it
             held = gather(sum(p.numel() for p in optimizer.local.state) if optimizer.local else 0)
-            ok &= sum(held) == sum(p.numel() for p in wrapped.trainable) and (world == 1 or max(held) < sum(held))
+            ok &= sum(held) == sum(p.numel() for p in wrapped.trainable)
+            ok &= world == 1 or max(held) < sum(held)
         if rank == 0:
             dtype = getattr(wrapped, "compute_dtype", None)
             error, exact, same = against_one_process(initial, final, kind, steps, world, dtype, tol)
-            rows.append([name, f"{error:.1e}", "bitwise" if exact else f"{tol:.0e}", "ok" if ok and same else "FAIL"])
+            tolerance = "bitwise" if exact else f"{tol:.0e}"
+            rows.append([name, f"{error:.1e}", tolerance, "ok" if ok and same else "FAIL"])
     return rows
 
 def against_one_process(initial, final, kind, steps, world, dtype, tol):
@@ -735,8 +746,9 @@ def run_optimizer_memory(setup, config, world, backend, timeout):
         weights = 4 * GPT(config).num_params()
     held = host_bytes(SHARDING.values(), config, setup.batch, setup.seq, gpu)
     check_launch(world, backend, held, f"the optimizer-memory run of GPT {setup.model}")
-    where = f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast" if gpu else \
-        f"{world} CPU processes over gloo, fp32 (no GPU: CPU defaults, a smoke run)"
+    where = f"{world} CPU processes over gloo, fp32 (no GPU: CPU defaults, a smoke run)"
+    if gpu:
+        where = f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast"
     print(f"optimizer state per rank, GPT {setup.model} ({weights / 4e6:.1f}M parameters) on {where}, torch "
           f"{torch.__version__}: B={setup.batch} per rank, T={setup.seq}; BucketDDP with AdamW on every rank vs "
           "ZeRO-1 (BucketDDP with ShardedOptimizer(AdamW)), bytes at the first step")
@@ -838,8 +850,10 @@ def build_variant(key, bf16, setup, rank, device):
     optimizer = configure_optimizer(model, lr=3e-4)
     if key in ("sharded", "zero2"):  # the same AdamW (groups, betas), its state sharded
         groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
-        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
-    tokens = torch.randint(50257, (setup.batch, setup.seq + 1), generator=torch.Generator().manual_seed(1000 + rank))
+        fused = device.type == "cuda"
+        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95), fused=fused)
+    generator = torch.Generator().manual_seed(1000 + rank)
+    tokens = torch.randint(50257, (setup.batch, setup.seq + 1), generator=generator)
     x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)  # random: speed does not depend on what they say
     sync = getattr(wrapped, "finish_gradient_synchronization", None) or no_sync  # torch's sync inside backward
     return wrapped, optimizer, sync, x, y
@@ -899,11 +913,14 @@ def time_group(group, results, setup, rank, device, baseline=LABELS["torch"]):
     warm, peaks = time_rounds(steps, device, rounds=0, warmup=setup.warmup)  # out of memory: None
     fits = [all(ok) for ok in zip(*gather([warm[label] is not None for label in steps]))]
     steps = {label: step for (label, step), ok in zip(steps.items(), fits) if ok}
-    results.update({label: {"oom": True} for label, _, _ in group if label not in steps and label not in results})
+    for label, _, _ in group:
+        if label not in steps:
+            results.setdefault(label, {"oom": True})
     free_memory()  # (a variant out of memory on another rank lets go of its model here)
     every = gather(time_rounds(steps, device, setup.rounds, setup.steps, warmup=0,
                                sync=partial(all_ranks_synchronize, device))[0])
-    times = {label: [max(r[label][i] for r in every) for i in range(setup.rounds)] for label in steps}  # slowest rank
+    # a round takes as long as its slowest rank
+    times = {label: [max(r[label][i] for r in every) for i in range(setup.rounds)] for label in steps}
     timings = summarize(times, baseline=baseline if baseline in times else None)
     split = gather({label: phase_medians(marks[label][setup.warmup:]) for label in steps})
     own = gather({label: peaks[label] - steps[label].state["others"] for label in steps} if cuda else {})
@@ -999,8 +1016,9 @@ def run_benchmark(setup, config, variants, world, backend, plot, timeout):
     held = host_bytes([k for _, k, _ in rows], config, setup.batch, setup.seq, gpu)
     check_launch(world, backend, held, f"the benchmark of GPT {setup.model}")
     groups = memory_groups(rows, config, setup.batch, setup.seq, backend, world, weights)
-    where = f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast" if gpu else \
-        f"{world} CPU processes over gloo, fp32 (no GPU: CPU defaults, a smoke run, not a measurement)"
+    where = f"{world} CPU processes over gloo, fp32 (no GPU: CPU defaults, a smoke run, not a measurement)"
+    if gpu:
+        where = f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast"
     print(f"data-parallel GPT {setup.model} ({weights / 4e6:.0f}M parameters) on {where}, torch {torch.__version__}: "
           f"B={setup.batch} per rank, T={setup.seq}, AdamW; {setup.rounds} rounds of {setup.steps} steps per variant "
           f"after {setup.warmup} warm-up")
