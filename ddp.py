@@ -604,7 +604,7 @@ def plot_bus_bandwidth(path, curves):
     fig, ax = plot_to(path).subplots(figsize=(7, 4.5))
     for (backend, world), (sizes, busbw) in curves.items():
         ax.plot(sizes, busbw, marker="o", label=f"{backend}, {world} ranks")
-    ax.set(xscale="log", xlabel="all-reduce size (bytes, float32)", ylabel="bus bandwidth (GB/s)",
+    ax.set(xscale="log", yscale="log", xlabel="all-reduce size (bytes, float32)", ylabel="bus bandwidth (GB/s)",
            title=f"all-reduce bus bandwidth, torch {torch.__version__}")
     ax.legend()
     fig.savefig(path, bbox_inches="tight")
