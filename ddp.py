@@ -623,7 +623,8 @@ def run_allreduce(device, backend, sizes, worlds, warmup, iters, plot, timeout):
         except ValueError as e:
             fail(str(e))
     for b, world in runs:  # gloo: the buffer, gloo's copies of it and the check, ~3x on every rank
-        check_launch(world, b, 3 * 4 * float32_count(max(sizes)) if b == "gloo" else 0, "the all-reduce")
+        rank_bytes = 3 * 4 * float32_count(max(sizes)) if b == "gloo" else 0
+        check_launch(world, b, rank_bytes, f"a {b} all-reduce of {size_label(max(sizes))}", "lower --sizes or --worlds")
     where = "gloo on CPU processes"
     if backend == "nccl":
         where = f"NCCL on {torch.cuda.get_device_name()} GPUs"
@@ -1078,13 +1079,12 @@ def launch(worker, world, backend, timeout):
             sys.exit(e.exit_code or 1)
         return torch.load(f"{tmp}/result.pt")
 
-def check_launch(world, backend, rank_bytes, what):
+def check_launch(world, backend, rank_bytes, what, hint="lower --batch, --seq or --world, or use a smaller --model"):
     """Exit 2 with one sentence before starting ranks this machine cannot hold."""
     if backend == "nccl" and world > torch.cuda.device_count():
         fail(f"--world {world} is more than the {torch.cuda.device_count()} GPUs on this machine")
     # a spawned GPU rank imports torch and makes a CUDA context (~2 GiB of host memory); a forked CPU rank does not
-    check_host_memory(world * (rank_bytes + (2**31 if backend == "nccl" else 2**28)), f"{what} on {world} ranks",
-                      "lower --batch, --seq, --sizes or --world, or use a smaller --model")
+    check_host_memory(world * (rank_bytes + (2**31 if backend == "nccl" else 2**28)), f"{what} on {world} ranks", hint)
 
 def step_setup(device, model, vocab, batch, seq, bucket_mb, warmup, rounds, steps):
     """The GPT step's flags with their CPU/GPU defaults, and the model's config; one that cannot work ends here."""
