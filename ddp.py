@@ -733,6 +733,7 @@ def measure_first_step(key, setup, rank, device):
 def optimizer_memory_worker(rank, world, device, setup):
     """({label: every rank's measure_first_step}, {label: timed result}): the memory of each variant alone, then
     both timed in rounds."""
+    set_tf32(True)  # as the benchmark times its steps
     memory = {}
     for label, key in SHARDING.items():
         memory[label] = gather(measure_first_step(key, setup, rank, device))
