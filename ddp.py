@@ -1,10 +1,13 @@
 """Data parallelism written out: four ways to average gradients (per tensor, one flat buffer, overlapping backward,
 ~25 MB buckets), then sharding the optimizer state (ZeRO-1), the gradients (ZeRO-2) and the weights (FSDP: each
-layer gathered just before it runs). Each is checked against one process on the whole batch, timed against torch's.
+layer gathered just before it runs). Each is checked against one process on the whole batch, timed against torch's,
+beside the all-reduce they rest on and the optimizer memory that sharding saves.
 
     python ddp.py selftest --world 2             # every class against one process on the whole batch
     python ddp.py benchmark --world 2            # GPT xl, B=4 per rank, T=512, bf16: every variant
     python ddp.py benchmark --variants local,torch,bucket,fsdp:bf16 --plot ddp.png
+    python ddp.py allreduce --plot allreduce.png # gloo (CPU) beside NCCL (GPU): 1 MiB to 1 GiB, worlds 2, 4, 6
+    python ddp.py optimizer-memory --world 2     # AdamW's state per rank, whole vs ZeRO-1, counted vs predicted
 
 Without a GPU everything runs on gloo at tiny sizes: a smoke run, not a measurement.
 """
@@ -17,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 
@@ -26,9 +30,9 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
-from gpt import (GPT, Timing, autocast, check_host_memory, clock, configure_optimizer, elapsed_ms, fail, free_memory,
-                 fully_shard_gpt, gib, lazily, make_config, plot_to, print_table, round_up, run_main, set_tf32,
-                 step_bytes, summarize, synchronize, time_rounds)
+from gpt import (GPT, Timing, check_host_memory, clock, configure_optimizer, elapsed_ms, fail, float_in, free_memory,
+                 fully_shard_gpt, gib, int_in, int_list, is_oom, lazily, make_config, on_device, plot_to, print_table,
+                 round_up, run_main, set_tf32, step_bytes, summarize, synchronize, time_rounds, train_step)
 
 # newer torch names the flat collectives *_single. gloo reduce-scatters by an all-reduce that keeps its slice (twice
 # the traffic, fine for a CPU smoke run); NCCL does the real thing. Both average inside.
@@ -132,11 +136,15 @@ class BucketDDP(DataParallel):
             raise RuntimeError("backward ran twice without finish_gradient_synchronization; "
                                "BucketDDP does not support gradient accumulation")
         # buckets leave strictly in order, so every rank queues the same collectives in one order
-        while (i := self.next_bucket) < len(self.buckets) and self.arrived[i] == len(self.buckets[i]):
+        while self.next_bucket < len(self.buckets) and self.complete(self.next_bucket):
+            i = self.next_bucket
             grads = self.grads[i]
             sent = grads if self.comm_dtype in (None, grads.dtype) else grads.to(self.comm_dtype)
             self.works.append(self.reduce(i, sent))
             self.next_bucket += 1
+
+    def complete(self, i):
+        return self.arrived[i] == len(self.buckets[i])
 
     def reduce(self, i, sent):
         """Start bucket i's collective: (where the average belongs, where it lands, its work)."""
@@ -187,7 +195,8 @@ class ZeRO2(BucketDDP):
 
     def all_gather_parameters(self):
         """After the optimizer stepped this rank's slices: every rank gets every slice."""
-        return [all_gather_into(flat, flat.chunk(self.world)[dist.get_rank()], async_op=True) for flat in self.params]
+        rank = dist.get_rank()
+        return [all_gather_into(flat, flat.chunk(self.world)[rank], async_op=True) for flat in self.params]
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """AdamW's two fp32 tensors per parameter for ~1/world of the parameters on each rank. ZeRO-1: each parameter
@@ -213,12 +222,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             owner = min(range(len(self.load)), key=self.load.__getitem__)
             self.load[owner] += p.numel()
             self.owners.append((p, owner))
-            mine += [p] if owner == self.rank else []
+            if owner == self.rank:
+                mine.append(p)
         if mine and self.local is None:
             self.local = self.optimizer_cls([{**group, "params": mine}], **self.kwargs)
         elif mine:
             self.local.add_param_group({**group, "params": mine})
-        self.group_pairs += [(group, self.local.param_groups[-1])] if mine else []
+        if mine:
+            self.group_pairs.append((group, self.local.param_groups[-1]))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -252,7 +263,8 @@ class FSDP(DataParallel):
         self.slots = [[] for _ in range(len(layers) + 1)]  # per unit: (module, name, parameter) to install
         self.sharded = [[] for _ in self.slots]  # per unit: the parameters it gathers
         self.full, self.shard_of = {}, {}  # shard: (full tensor, alias to write it, rows); full: shard
-        for m, name, p in [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]:
+        owned = [(m, n, p) for m in module.modules() for n, p in m._parameters.items() if p is not None]
+        for m, name, p in owned:  # every module's own parameters: a tied one under each module that holds it
             self.slots[unit_of.get(m, 0)].append((m, name, p))
             if p.requires_grad and p.dim() >= 2 and p not in self.full:
                 self.shard_(p)
@@ -326,8 +338,9 @@ class FSDP(DataParallel):
         if not torch.is_grad_enabled() or u < len(self.slots) - 1:
             self.free(u)  # (the last layer's weights are the first backward needs: kept)
         outputs = [output] if torch.is_tensor(output) else output
-        if (out := next((t for t in outputs if torch.is_tensor(t) and t.requires_grad), None)) is not None:
-            out.register_hook(lambda grad: self.pre_backward(u))  # when the layer's backward starts
+        differentiable = [t for t in outputs if torch.is_tensor(t) and t.requires_grad]
+        if differentiable:
+            differentiable[0].register_hook(lambda grad: self.pre_backward(u))  # when the layer's backward starts
 
     def pre_backward(self, u):
         self.wait(u)  # its backward reads the weights again
@@ -398,8 +411,10 @@ def toy_optimizer(model, kind):
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2]},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    if kind != "zero-adamw":
-        return torch.optim.SGD(params, lr=0.5) if kind == "sgd" else torch.optim.AdamW(groups, lr=.05, weight_decay=.1)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.5)
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=0.05, weight_decay=0.1)
     optimizer = ShardedOptimizer(groups[:1], torch.optim.AdamW, lr=0.05, weight_decay=0.1)
     optimizer.add_param_group(groups[1])
     return optimizer
@@ -410,15 +425,20 @@ def train_toy(model, optimizer, steps, rank=0, world=1, dtype=None, parts=1):
     device = next(model.parameters()).device
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
-        x, y = (torch.randint(15, (8, 6), generator=g).to(device) for _ in "xy")
+        x = torch.randint(15, (8, 6), generator=g).to(device)
+        y = torch.randint(15, (8, 6), generator=g).to(device)
         for i in range(rank * parts, (rank + 1) * parts):
             part = slice(i * 8 // (world * parts), (i + 1) * 8 // (world * parts))
-            inputs = (x[part], y[part])
-            cast = {n: p.to(dtype) for n, p in model.named_parameters()} if dtype else None  # as FSDP computes
-            (model(*inputs) if cast is None else torch.func.functional_call(model, cast, inputs))[1].backward()
-        for p in model.parameters() if parts > 1 else []:  # the mean over the slices, in fp32 as the ranks take it
-            if p.grad is not None:
-                p.grad /= parts
+            if dtype is None:
+                loss = model(x[part], y[part])[1]
+            else:  # every parameter cast for the forward, as FSDP computes
+                cast = {n: p.to(dtype) for n, p in model.named_parameters()}
+                loss = torch.func.functional_call(model, cast, (x[part], y[part]))[1]
+            loss.backward()
+        if parts > 1:  # the mean over the slices, in fp32 as the ranks take it
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad /= parts
         getattr(model, "finish_gradient_synchronization", lambda: None)()
         if optimizer is not None:
             optimizer.step()
@@ -432,83 +452,397 @@ def toy_state(model):
 
 TINY = 0.0002  # MB: a bucket or two per parameter
 # name: (wrapper, optimizer, tolerance). ZeRO-1 is BucketDDP with a ShardedOptimizer.
-TOY_VARIANTS = {"naive": (NaiveDDP, "sgd", 2e-6), "flat": (FlatDDP, "sgd", 2e-6), "overlap": (OverlapDDP, "sgd", 2e-6),
-                "bucket": (partial(BucketDDP, bucket_mb=TINY), "sgd", 2e-6),
-                "bucket-bf16": (partial(BucketDDP, bucket_mb=TINY, comm_dtype=torch.bfloat16), "sgd", 1e-2),
-                "zero1-adamw": (partial(BucketDDP, bucket_mb=TINY), "zero-adamw", 2e-6),
-                "zero2-adamw": (partial(ZeRO2, bucket_mb=TINY), "zero-adamw", 2e-6),
-                "fsdp": (FSDP, "sgd", 2e-6), "fsdp-adamw": (FSDP, "adamw", 2e-6),
-                "fsdp-fp16": (partial(FSDP, compute_dtype=torch.float16), "sgd", 2e-6)}
+TOY_VARIANTS = {
+    "naive": (NaiveDDP, "sgd", 2e-6),
+    "flat": (FlatDDP, "sgd", 2e-6),
+    "overlap": (OverlapDDP, "sgd", 2e-6),
+    "bucket": (partial(BucketDDP, bucket_mb=TINY), "sgd", 2e-6),
+    "bucket-bf16": (partial(BucketDDP, bucket_mb=TINY, comm_dtype=torch.bfloat16), "sgd", 1e-2),
+    "zero1-adamw": (partial(BucketDDP, bucket_mb=TINY), "zero-adamw", 2e-6),
+    "zero2-adamw": (partial(ZeRO2, bucket_mb=TINY), "zero-adamw", 2e-6),
+    "fsdp": (FSDP, "sgd", 2e-6),
+    "fsdp-adamw": (FSDP, "adamw", 2e-6),
+    "fsdp-fp16": (partial(FSDP, compute_dtype=torch.float16), "sgd", 2e-6),
+}
 
-def selftest_worker(rank, world, device, args):
+def selftest_worker(rank, world, device, steps, variants):
     """Per variant: every rank's weights against one process from rank 0's initial weights; FSDP's gradients
     shaped like the shards, in fp32, the replicated ones equal on all ranks; ZeRO's state split between ranks."""
     rows = []
-    for name, (wrapper, kind, tol) in args.toy_variants.items():
+    for name, (wrapper, kind, tol) in variants.items():
         torch.manual_seed(100 + rank)  # different weights on every rank until the wrapper syncs them
         wrapped = wrapper(ToyModel().to(device))
         initial, optimizer = toy_state(wrapped), toy_optimizer(wrapped.module, kind)
-        train_toy(wrapped, optimizer, args.steps, rank, world)
+        train_toy(wrapped, optimizer, steps, rank, world)
         final, ok = gather(toy_state(wrapped)), True
-        if isinstance(wrapped, FSDP):
+        if isinstance(wrapped, FSDP):  # one more backward: the gradients as the optimizer would see them
             train_toy(wrapped, None, 1, rank, world)
+            shaped = all(p.grad.dtype == torch.float32 and p.grad.shape == p.shape for p in wrapped.trainable)
             replicated = gather([p.grad.cpu() for p in wrapped.replicated])
-            ok = all(gather(all(p.grad.dtype == torch.float32 and p.grad.shape == p.shape for p in wrapped.trainable)))
+            ok = all(gather(shaped))
             ok &= all(torch.equal(a, b) for r in replicated for a, b in zip(r, replicated[0]))
-        if isinstance(optimizer, ShardedOptimizer):
+        if isinstance(optimizer, ShardedOptimizer):  # every parameter's state on one rank, no rank with all of it
             held = gather(sum(p.numel() for p in optimizer.local.state) if optimizer.local else 0)
-            ok &= sum(held) == sum(p.numel() for p in wrapped.trainable) and (world == 1 or max(held) < sum(held))
+            ok &= sum(held) == sum(p.numel() for p in wrapped.trainable)
+            ok &= world == 1 or max(held) < sum(held)
         if rank == 0:
-            reference, dtype = ToyModel().to(device), getattr(wrapped, "compute_dtype", None)
-            reference.load_state_dict(initial, strict=False)  # (the tied output layer comes with embed)
-            optimizer = toy_optimizer(reference, kind.removeprefix("zero-"))
-            train_toy(reference, optimizer, args.steps, dtype=dtype, parts=world)
-            ref = toy_state(reference)
-            error = max((state[k] - w).abs().max().item() for state in final for k, w in ref.items())
-            exact = world == 2 and dtype is None and tol < 1e-5  # fp32 on 2 ranks: bit for bit (see train_toy)
-            ok &= all(torch.equal(state[k], w) for state in final for k, w in ref.items()) if exact else error <= tol
-            rows.append([name, f"{error:.1e}", "bitwise" if exact else f"{tol:.0e}", "ok" if ok else "FAIL"])
+            dtype = getattr(wrapped, "compute_dtype", None)
+            error, exact, same = against_one_process(initial, final, kind, steps, world, dtype, tol)
+            tolerance = "bitwise" if exact else f"{tol:.0e}"
+            rows.append([name, f"{error:.1e}", tolerance, "ok" if ok and same else "FAIL"])
     return rows
 
-def run_selftest(args):
-    if 8 % args.world:  # equal slices: the mean of their mean losses is the whole batch's
-        fail(f"--world {args.world}: the selftest's batch of 8 sequences splits evenly over 1, 2, 4 or 8 ranks")
-    check_launch(args.world, args.backend, 0, "the selftest")
-    print(f"selftest: every wrapper on {args.world} ranks ({args.backend}) vs one process, {args.steps} steps")
-    args.toy_variants = dict(TOY_VARIANTS)  # they travel with args: a spawned rank imports ddp afresh
-    rows = launch(selftest_worker, args.world, args.backend, args)
+def against_one_process(initial, final, kind, steps, world, dtype, tol):
+    """(largest error, whether bits were asked for, whether every rank matched) against one process trained from
+    the same initial weights on the whole batch."""
+    reference = ToyModel().to(next(iter(initial.values())).device)
+    reference.load_state_dict(initial, strict=False)  # (the tied output layer comes with embed)
+    train_toy(reference, toy_optimizer(reference, kind.removeprefix("zero-")), steps, dtype=dtype, parts=world)
+    ref = toy_state(reference)
+    error = max((state[k] - w).abs().max().item() for state in final for k, w in ref.items())
+    exact = world == 2 and dtype is None and tol < 1e-5  # fp32 on 2 ranks: bit for bit (see train_toy)
+    if exact:
+        return error, exact, all(torch.equal(state[k], w) for state in final for k, w in ref.items())
+    return error, exact, error <= tol
+
+def run_selftest(world, backend, steps, timeout):
+    if 8 % world:  # equal slices: the mean of their mean losses is the whole batch's
+        fail(f"--world {world}: the selftest's batch of 8 sequences splits evenly over 1, 2, 4 or 8 ranks")
+    check_launch(world, backend, 0, "the selftest")
+    print(f"selftest: every wrapper on {world} ranks ({backend}) vs one process, {steps} steps")
+    # the variants travel with the worker: a spawned rank imports ddp afresh (a test may have added one)
+    rows = launch(partial(selftest_worker, steps=steps, variants=dict(TOY_VARIANTS)), world, backend, timeout)
     print_table(["variant", "max |w - reference| on any rank", "tolerance", "result"], rows)
     failed = [r[0] for r in rows if r[-1] != "ok"]
-    print(f"selftest: {len(rows) - len(failed)} of {len(rows)} variants match one-process training"
-          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    summary = f"selftest: {len(rows) - len(failed)} of {len(rows)} variants match one-process training"
+    if failed:
+        summary += f"; FAILED: {', '.join(failed)}"
+    print(summary)
     sys.exit(1 if failed else 0)
 
 # takeaway: fp32 on two ranks must reproduce one process bit for bit; a missed or doubled average shows.
 
-# --- 5. benchmark: the same GPT step under every variant, interleaved in rounds
+# --- 5. all-reduce bandwidth: small messages pay latency, large ones the link's bandwidth
+MiB = 2**20
+
+def size_list(text):
+    """type= for --sizes: a comma list of MiB, each holding at least one float32 ("0.5,10" -> [0.5, 10.0])."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"expected a comma list of sizes in MiB, got '{text}'")
+    sizes = [float_in(0)(item) for item in items]
+    if min(sizes) * MiB < 4:
+        raise argparse.ArgumentTypeError(f"a size must hold at least one float32 (4 bytes), got {min(sizes):g} MiB")
+    return sizes
+
+def float32_count(mb):
+    return max(1, round(mb * MiB / 4))
+
+def size_label(mb):
+    return f"{mb / 1024:g} GiB" if mb >= 1024 else f"{mb:g} MiB"
+
+def time_allreduce(n, rank, world, device, warmup, iters):
+    """(this rank's ms per all-reduce of n float32 over the timed iterations, whether every sum was exact), or
+    None where a rank had no memory for the buffer: then every rank skips the size together."""
+    try:
+        x = torch.empty(n, device=device)
+    except RuntimeError as e:
+        if not is_oom(e):
+            raise
+        x = None
+    if not all(gather(x is not None)):
+        return None
+    expected = world * (world + 1) / 2  # rank r sends r + 1: a sum of small integers, exact in float32
+    times, exact = [], True
+    for i in range(warmup + iters):
+        x.fill_(rank + 1)
+        dist.barrier()  # start together, or a late rank's delay is timed as transfer
+        synchronize(device)
+        start = clock(device)
+        dist.all_reduce(x)  # a sum, as nccl-tests measure it
+        ms = elapsed_ms(start, clock(device))
+        exact &= bool(x.eq(expected).all())  # (after the clock: the check is not timed)
+        if i >= warmup:
+            times.append(ms)
+    return times, exact
+
+def allreduce_worker(rank, world, device, sizes, warmup, iters):
+    """{MiB: [every rank's (ms per iteration, exact)] or None (out of memory)}, gathered to rank 0."""
+    results = {}
+    for mb in sizes:
+        results[mb] = gather(time_allreduce(float32_count(mb), rank, world, device, warmup, iters))
+        results[mb] = None if None in results[mb] else results[mb]
+    return results
+
+def allreduce_row(backend, world, mb, per_rank):
+    """One table row: the statistics over every rank's iterations, and the bandwidths from their mean."""
+    name = f"{backend} ({'GPU' if backend == 'nccl' else 'CPU'})"
+    if per_rank is None:
+        return [name, world, size_label(mb)] + ["OOM"] * 7, None
+    timing = summarize({"all": [ms for times, _ in per_rank for ms in times]})["all"]
+    algbw = 4 * float32_count(mb) / timing.mean / 1e6  # bytes per ms / 1e6 = GB/s
+    busbw = algbw * 2 * (world - 1) / world  # nccl-tests: a rank sends and receives 2(n-1)/n of the buffer
+    rank_means = "/".join(f"{statistics.fmean(times):.3g}" for times, _ in per_rank)
+    exact = all(ok for _, ok in per_rank)
+    return [name, world, size_label(mb), timing.mean_std(3), f"{timing.low:.3f}", f"{timing.high:.3f}", rank_means,
+            f"{algbw:.3g}", f"{busbw:.3g}", "yes" if exact else "NO"], busbw
+
+def allreduce_runs(backend, worlds, asked, gpus):
+    """([(backend, world)] to run, the NCCL worlds left out): gloo takes any world (CPU processes), NCCL a GPU
+    per rank."""
+    backends = ["gloo", "nccl"] if backend == "both" else [backend]
+    too_big = [w for w in worlds if w > gpus] if "nccl" in backends else []
+    if backend == "nccl" and too_big and asked:
+        fail(f"--worlds {too_big[0]} is more than the {gpus} GPUs on this machine (NCCL takes one GPU per rank)")
+    runs = [(b, w) for w in worlds for b in backends if b == "gloo" or w <= gpus]
+    if not runs:
+        fail(f"an NCCL all-reduce needs at least 2 GPUs and this machine has {gpus}; use --backend gloo")
+    return runs, too_big
+
+def plot_bus_bandwidth(path, curves):
+    """curves: {(backend, world): ([bytes], [GB/s])}, a line each."""
+    fig, ax = plot_to(path).subplots(figsize=(7, 4.5))
+    for (backend, world), (sizes, busbw) in curves.items():
+        ax.plot(sizes, busbw, marker="o", label=f"{backend}, {world} ranks")
+    ax.set(xscale="log", yscale="log", xlabel="all-reduce size (bytes, float32)", ylabel="bus bandwidth (GB/s)",
+           title=f"all-reduce bus bandwidth, torch {torch.__version__}")
+    ax.legend()
+    fig.savefig(path, bbox_inches="tight")
+    print(f"plot saved to {path}")
+
+def run_allreduce(device, backend, sizes, worlds, warmup, iters, plot, timeout):
+    gpus = torch.cuda.device_count()
+    default_worlds = on_device(device, cpu=[2, 4], gpu=[2, 4, 6] + ([8] if gpus >= 8 else []))
+    runs, skipped = allreduce_runs(backend, worlds or default_worlds, worlds is not None, gpus)
+    sizes = sizes or on_device(device, cpu=[0.1, 1, 10, 100], gpu=[1, 10, 100, 1024])
+    warmup = on_device(device, cpu=2, gpu=5) if warmup is None else warmup
+    iters = iters or on_device(device, cpu=10, gpu=20)
+    if plot:
+        try:
+            plot_to(plot)
+        except ValueError as e:
+            fail(str(e))
+    for b, world in runs:  # gloo: the buffer, gloo's copies of it and the check, ~3x on every rank
+        rank_bytes = 3 * 4 * float32_count(max(sizes)) if b == "gloo" else 0
+        check_launch(world, b, rank_bytes, f"a {b} all-reduce of {size_label(max(sizes))}", "lower --sizes or --worlds")
+    where = "gloo on CPU processes"
+    if backend == "nccl":
+        where = f"NCCL on {torch.cuda.get_device_name()} GPUs"
+    elif backend == "both":
+        where += f" and NCCL on {torch.cuda.get_device_name()} GPUs"
+    defaults = on_device(device, cpu=" (CPU defaults: small sizes, worlds 2 and 4; a smoke run, not a measurement)",
+                         gpu="")
+    print(f"all-reduce of float32, {where}, torch {torch.__version__}: {warmup} warm-up then {iters} timed "
+          f"iterations, a barrier before each{defaults}")
+    if skipped:
+        print(f"NCCL skips world {', '.join(map(str, skipped))}: this machine has {gpus} GPU(s), one per rank")
+    measured = {}  # (world, MiB, backend): every rank's results
+    for b, world in runs:
+        print(f"  {b} on {world} ranks", flush=True)
+        results = launch(partial(allreduce_worker, sizes=sizes, warmup=warmup, iters=iters), world, b, timeout)
+        measured.update({(world, mb, b): per_rank for mb, per_rank in results.items()})
+    print_allreduce(measured, plot)
+
+def print_allreduce(measured, plot):
+    """The table (gloo and NCCL rows of a world and size next to each other), the plot and the summary."""
+    rows, curves, best = [], {}, None
+    for (world, mb, backend), per_rank in sorted(measured.items()):
+        row, busbw = allreduce_row(backend, world, mb, per_rank)
+        rows.append(row)
+        if busbw is not None:
+            nbytes, bandwidths = curves.setdefault((backend, world), ([], []))
+            nbytes.append(4 * float32_count(mb))
+            bandwidths.append(busbw)
+            best = row if best is None or busbw > float(best[8]) else best
+    print_table(["backend", "world", "size", "ms mean ± std", "min ms", "max ms", "each rank's mean ms",
+                 "algbw GB/s", "busbw GB/s", "sum exact"], rows)
+    print("over every rank's timed iterations; algbw = bytes / mean time; busbw = algbw x 2(n-1)/n (nccl-tests' "
+          "all-reduce definition: it compares across world sizes and with link speeds); GB = 1e9 bytes")
+    if plot:
+        plot_bus_bandwidth(plot, curves)
+    wrong = [f"{r[0]} world {r[1]} {r[2]}" for r in rows if r[-1] == "NO"]
+    if wrong:
+        print(f"summary: WRONG all-reduce sums: {'; '.join(wrong)}")
+        sys.exit(1)
+    if best is None:
+        print("summary: every size was out of memory")
+    else:
+        print(f"summary: every sum exact; the highest bus bandwidth, {best[8]} GB/s, is {best[0]} on {best[1]} ranks "
+              f"at {best[2]}")
+
+# takeaway: a collective costs a latency plus bytes over bandwidth; few large messages beat many small ones.
+
+# --- 6. optimizer state: AdamW's moments whole on every rank, or sharded (ZeRO-1), counted against the arithmetic
+SHARDING = {"BucketDDP": "bucket", "ZeRO-1": "sharded"}  # AdamW on every rank, or ShardedOptimizer(AdamW)
+
+def stepped_here(optimizer):
+    """The parameters whose AdamW state this rank keeps: all of them, or ShardedOptimizer's share."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return [p for p, owner in optimizer.owners if owner == optimizer.rank]
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+def held_bytes(wrapped, optimizer):
+    """(parameters, gradients, optimizer state) bytes this rank holds, counted tensor by tensor."""
+    params = sum(p.nbytes for p in wrapped.module.parameters())  # (a tied one once)
+    grads = sum(g.nbytes for g in wrapped.grads if g is not None)  # BucketDDP's p.grad are views into its buckets
+    inner = optimizer.local if isinstance(optimizer, ShardedOptimizer) else optimizer  # (None: it steps nothing)
+    states = inner.state.values() if inner is not None else []
+    state = sum(t.nbytes for s in states for t in s.values() if torch.is_tensor(t))
+    return params, grads, state
+
+def predicted_bytes(wrapped, optimizer, point):
+    """The arithmetic: 4 bytes a parameter for fp32 weights, 4 for gradients once backward ran, and once the
+    optimizer stepped, AdamW's 8 (two fp32 moments) and a 4-byte step count per tensor, for those this rank steps."""
+    total = 4 * sum(p.numel() for p in wrapped.module.parameters())
+    if point != "built":
+        total += 4 * sum(p.numel() for p in wrapped.trainable)
+    if point == "after step":
+        mine = stepped_here(optimizer)
+        total += 8 * sum(p.numel() for p in mine) + 4 * len(mine)
+    return total
+
+def measure_first_step(key, setup, rank, device):
+    """{point: (params, grads, state, predicted, live, peak)} bytes at three points of this rank's first step. live:
+    memory_allocated on a GPU (peak: max_memory_allocated), the counted bytes on a CPU (peak: None)."""
+    cuda = device.type == "cuda"
+    synchronize(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    wrapped, optimizer, sync, x, y = build_variant(key, False, setup, rank, device)
+    points = {}
+
+    def record(point):
+        synchronize(device)
+        counted = held_bytes(wrapped, optimizer)
+        live = torch.cuda.memory_allocated(device) - base if cuda else sum(counted)
+        peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+        points[point] = (*counted, predicted_bytes(wrapped, optimizer, point), live, peak)
+
+    def mark(phase):  # gpt.train_step calls it after forward, backward and the optimizer step
+        if phase == "backward":
+            sync()
+            record("before step")
+        elif phase == "optimizer":
+            record("after step")
+
+    record("built")
+    train_step(wrapped, optimizer, x, y, on_device(device, cpu=None, gpu=torch.bfloat16), mark=mark)
+    return points
+
+def optimizer_memory_worker(rank, world, device, setup):
+    """({label: every rank's measure_first_step}, {label: timed result}): the memory of each variant alone, then
+    both timed in rounds."""
+    set_tf32(True)  # as the benchmark times its steps
+    memory = {}
+    for label, key in SHARDING.items():
+        memory[label] = gather(measure_first_step(key, setup, rank, device))
+        free_memory()  # the variant's model is gone with measure_first_step's frame
+    timed = {}
+    time_group([(label, key, False) for label, key in SHARDING.items()], timed, setup, rank, device, "BucketDDP")
+    return memory, timed
+
+def run_optimizer_memory(setup, config, world, backend, timeout):
+    gpu = backend == "nccl"
+    with torch.device("meta"):
+        weights = 4 * GPT(config).num_params()
+    held = host_bytes(SHARDING.values(), config, setup.batch, setup.seq, gpu)
+    check_launch(world, backend, held, f"the optimizer-memory run of GPT {setup.model}")
+    where = f"{world} CPU processes over gloo, fp32 (no GPU: CPU defaults, a smoke run)"
+    if gpu:
+        where = f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast"
+    print(f"optimizer state per rank, GPT {setup.model} ({weights / 4e6:.1f}M parameters) on {where}, torch "
+          f"{torch.__version__}: B={setup.batch} per rank, T={setup.seq}; BucketDDP with AdamW on every rank vs "
+          "ZeRO-1 (BucketDDP with ShardedOptimizer(AdamW)), bytes at the first step")
+    memory, timed = launch(partial(optimizer_memory_worker, setup=setup), world, backend, timeout)
+    print_optimizer_memory(memory, timed, world, gpu, setup)
+
+def print_optimizer_memory(memory, timed, world, gpu, setup):
+    unit, scale = ("GiB", 2**30) if gpu else ("MiB", 2**20)
+    rows = []
+    for label, ranks in memory.items():
+        for rank, points in enumerate(ranks):
+            for point, (params, grads, state, predicted, live, peak) in points.items():
+                cells = [f"{b / scale:.3f}" for b in (params, grads, state, predicted, live)]
+                rows.append([label, rank, point, *cells, "n/a" if peak is None else f"{peak / scale:.3f}"])
+    print_table(["variant", "rank", "point", f"params {unit}", f"grads {unit}", f"optimizer state {unit}",
+                 f"predicted {unit}", f"live {unit}", f"peak {unit}"], rows)
+    live = "memory_allocated; peak: max_memory_allocated since the model was built"
+    if not gpu:
+        live = "the counted bytes (a CPU has no allocator to ask)"
+    print("counted: the parameters, BucketDDP's gradient buckets and the optimizer's state tensors; predicted: 4 bytes "
+          "a parameter, +4 once backward ran, +8 (AdamW's moments) and 4 per tensor (its step) for the parameters this "
+          f"rank steps; live: {live}")
+    print()
+    print_table(["variant", "step ms", "mean ± std ms", f"vs {next(iter(timed))} (paired)", "optimizer ms", "peak GiB"],
+                [timed_row(label, r) for label, r in timed.items()])
+    print(f"step: median (min-max) over {setup.rounds} rounds of {setup.steps} steps, the slowest rank's; optimizer: "
+          "the median optimizer phase (ZeRO-1's includes broadcasting the parameters it stepped)")
+    full = max(points["after step"][2] for points in memory["BucketDDP"])
+    sharded = max(points["after step"][2] for points in memory["ZeRO-1"])
+    ratio = timed.get("ZeRO-1", {}).get("timing", {}).get("ratio")
+    print(f"summary: ZeRO-1's fullest rank keeps {sharded / full:.0%} of AdamW's state (1/world = {1 / world:.0%})"
+          + ("" if ratio is None else f"; its step takes {ratio:.2f}x BucketDDP's"))
+
+def timed_row(label, result):
+    if result["oom"]:
+        return [label] + ["OOM"] * 5
+    timing = Timing(**result["timing"])
+    peak = "n/a" if result["peak"] is None else gib(result["peak"])
+    return [label, timing.ms(1), timing.mean_std(1), timing.vs(), f"{result['phases'][3]:.1f}", peak]
+
+# takeaway: ZeRO-1 splits by whole parameters: even for GPT xl, lopsided where one tensor (an embedding) dominates.
+
+# --- 7. benchmark: the same GPT step under every variant, interleaved in rounds
 LABELS = {"local": "local (no comm)", "torch": "torch DDP", "naive": "NaiveDDP", "flat": "FlatDDP",
           "overlap": "OverlapDDP", "bucket": "BucketDDP", "sharded": "ZeRO-1", "zero2": "ZeRO-2", "fsdp": "FSDP",
           "fsdp2": "torch FSDP2"}
 # what a variant keeps between steps, in fp32 weights (AdamW's moments are two): (whole, split over the ranks)
 RESIDENT = {"local": (3, 0), "torch": (4, 0), "naive": (3, 0), "flat": (4, 0), "overlap": (3, 0), "bucket": (4, 0),
             "sharded": (2, 2), "zero2": (1, 3), "fsdp": (0, 4), "fsdp2": (0, 4)}
-# key:bf16 is what torch DDP, BucketDDP and ZeRO send, and what FSDP gathers and computes with
-VARIANTS = [k + d for k in LABELS
-            for d in ("", ":fp32", ":bf16")[:3 if k in ("torch", "bucket", "sharded", "zero2", "fsdp") else 2]]
+# key:bf16 is what torch DDP, BucketDDP and ZeRO send, and what FSDP gathers and computes with; key:fp32 is key
+BF16_KEYS = ("torch", "bucket", "sharded", "zero2", "fsdp")
+VARIANTS = [name for key in LABELS for name in (key, key + ":fp32", key + ":bf16")
+            if not name.endswith(":bf16") or key in BF16_KEYS]
 
-def make_step(key, bf16, args, rank, device, marks):
-    """One GPT training step under one variant; it appends to marks a clock() at the start and after each phase."""
+def variant_list(text):
+    """type= for --variants: a comma list of VARIANTS."""
+    variants = [v.strip() for v in text.split(",") if v.strip()]
+    if not variants:
+        raise argparse.ArgumentTypeError(f"empty; choose from {', '.join(LABELS)}")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {unknown[0]!r}; choose from {', '.join(LABELS)} (key:bf16 for "
+                                         f"{', '.join(BF16_KEYS)})")
+    return variants
+
+@dataclass(frozen=True)
+class StepSetup:
+    """What every rank's GPT step trains and how it is timed: plain values, which travel to spawned ranks."""
+    model: str
+    vocab: int
+    batch: int
+    seq: int
+    bucket_mb: float
+    warmup: int
+    rounds: int
+    steps: int
+
+def build_variant(key, bf16, setup, rank, device):
+    """GPT under one variant: (the model as trained, its optimizer, the gradient sync after backward, x, y)."""
     torch.manual_seed(rank)
     with torch.device(device):
-        model = wrapped = GPT(make_config(args.model, vocab_size=args.vocab))
+        model = wrapped = GPT(make_config(setup.model, vocab_size=setup.vocab))
     dtype = torch.bfloat16 if bf16 else None
     if key == "torch":
         ids = [device.index] if device.type == "cuda" else None
-        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_mb)
+        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=setup.bucket_mb)
         if dtype:
             wrapped.register_comm_hook(None, bf16_compress_hook)
-    elif key in ("bucket", "sharded", "zero2"):
-        wrapped = (ZeRO2 if key == "zero2" else BucketDDP)(model, args.bucket_mb, dtype)
+    elif key in ("bucket", "sharded"):
+        wrapped = BucketDDP(model, setup.bucket_mb, dtype)
+    elif key == "zero2":
+        wrapped = ZeRO2(model, setup.bucket_mb, dtype)
     elif key == "fsdp":
         wrapped = FSDP(model, dtype)
     elif key == "fsdp2":
@@ -518,34 +852,44 @@ def make_step(key, bf16, args, rank, device, marks):
     optimizer = configure_optimizer(model, lr=3e-4)
     if key in ("sharded", "zero2"):  # the same AdamW (groups, betas), its state sharded
         groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
-        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
-    tokens = torch.randint(50257, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1000 + rank))
+        fused = device.type == "cuda"
+        optimizer = ShardedOptimizer(groups, torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95), fused=fused)
+    generator = torch.Generator().manual_seed(1000 + rank)
+    tokens = torch.randint(50257, (setup.batch, setup.seq + 1), generator=generator)
     x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)  # random: speed does not depend on what they say
-    sync = getattr(wrapped, "finish_gradient_synchronization", lambda: None)  # torch's syncs inside backward
+    sync = getattr(wrapped, "finish_gradient_synchronization", None) or no_sync  # torch's sync inside backward
+    return wrapped, optimizer, sync, x, y
+
+def no_sync():
+    pass
+
+def make_step(key, bf16, setup, rank, device, marks):
+    """One GPT training step (gpt.train_step) under one variant; it appends to marks a step's clock() at the start
+    and after each phase: forward, backward, the gradient sync, the optimizer."""
+    wrapped, optimizer, sync, x, y = build_variant(key, bf16, setup, rank, device)
+    dtype = on_device(device, cpu=None, gpu=torch.bfloat16)
+
+    def mark(phase):  # train_step calls it after forward, backward and the optimizer
+        marks[-1].append(clock(device))
+        if phase == "backward":  # the wrapper's average: a phase of its own between backward and the optimizer
+            sync()
+            marks[-1].append(clock(device))
+
     def step():
-        t = [clock(device)]
-        with autocast(device, torch.bfloat16 if device.type == "cuda" else None):
-            loss = wrapped(x, y)[1]
-        t.append(clock(device))
-        loss.backward()
-        t.append(clock(device))
-        sync()
-        t.append(clock(device))
-        optimizer.step()
-        # BucketDDP's gradients are views into its buckets, zeroed in place; the others free theirs for the round
-        optimizer.zero_grad(set_to_none=key not in ("bucket", "sharded"))
-        marks.append(t + [clock(device)])
+        marks.append([clock(device)])
+        train_step(wrapped, optimizer, x, y, dtype, mark=mark)
     return step
 
-def memory_groups(rows, config, args, world, weights):
+def memory_groups(rows, config, batch, seq, backend, world, weights):
     """The rows in groups that fit on one GPU together (CPU: one group), each with the torch DDP and no-comm rows."""
     shared = [r for r in rows if r[1] in ("torch", "local") and not r[2]]
-    groups, rest = [], [r for r in rows if r not in shared]
-    if args.backend != "nccl" or not rest:
+    rest = [r for r in rows if r not in shared]
+    if backend != "nccl" or not rest:
         return [shared + rest]
     # on top of what all keep: one step's gradients and activations (~34 bytes a token, layer and width in bf16)
-    budget = 0.9 * min(torch.cuda.get_device_properties(i).total_memory for i in range(world)) - weights \
-        - 34 * args.batch * args.seq * config.n_embd * config.n_layer
+    smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(world))
+    budget = 0.9 * smallest - weights - 34 * batch * seq * config.n_embd * config.n_layer
+    groups = []
     for row in rest:
         held = sum(RESIDENT[k][0] + RESIDENT[k][1] / world for _, k, _ in groups[-1] + [row]) if groups else 0
         if not groups or held * weights > budget:
@@ -553,24 +897,34 @@ def memory_groups(rows, config, args, world, weights):
         groups[-1].append(row)
     return groups
 
-def time_group(group, results, args, rank, device):
+def all_ranks_synchronize(device):  # a round ends on every rank before any goes on
+    synchronize(device)
+    dist.barrier()
+
+def phase_medians(marks):
+    """Median ms of each phase over the steps, from each step's clocks (start, then after each phase)."""
+    per_step = [[elapsed_ms(a, b) for a, b in zip(clocks, clocks[1:])] for clocks in marks]  # steps x phases
+    return [statistics.median(ms) for ms in zip(*per_step)]
+
+def time_group(group, results, setup, rank, device, baseline=LABELS["torch"]):
     """Warm up each variant (peak: the timer's less the others'), drop any out of memory on a rank, time the rest."""
-    cuda, local, base = device.type == "cuda", LABELS["local"], LABELS["torch"]
+    cuda, local = device.type == "cuda", LABELS["local"]
     marks = {label: [] for label, _, _ in group}
-    steps = {label: lazily(partial(make_step, key, bf16, args, rank, device, marks[label]), device)
+    steps = {label: lazily(partial(make_step, key, bf16, setup, rank, device, marks[label]), device)
              for label, key, bf16 in group}
-    warm, peaks = time_rounds(steps, device, rounds=0, warmup=args.warmup)  # out of memory: None
+    warm, peaks = time_rounds(steps, device, rounds=0, warmup=setup.warmup)  # out of memory: None
     fits = [all(ok) for ok in zip(*gather([warm[label] is not None for label in steps]))]
     steps = {label: step for (label, step), ok in zip(steps.items(), fits) if ok}
-    results.update({label: {"oom": True} for label, _, _ in group if label not in steps and label not in results})
+    for label, _, _ in group:
+        if label not in steps:
+            results.setdefault(label, {"oom": True})
     free_memory()  # (a variant out of memory on another rank lets go of its model here)
-    sync = lambda: (synchronize(device), dist.barrier())  # noqa: E731 (all ranks end a round before any goes on)
-    every = gather(time_rounds(steps, device, args.rounds, args.steps, warmup=0, sync=sync)[0])
-    times = {label: [max(r[label][i] for r in every) for i in range(args.rounds)] for label in steps}  # slowest rank
-    timings = summarize(times, baseline=base if base in times else None)
-    split = gather({label: [statistics.median(ms) for ms in zip(*[[elapsed_ms(a, b) for a, b in zip(t, t[1:])]
-                                                                  for t in marks[label][args.warmup:]])]
-                    for label in steps})
+    every = gather(time_rounds(steps, device, setup.rounds, setup.steps, warmup=0,
+                               sync=partial(all_ranks_synchronize, device))[0])
+    # a round takes as long as its slowest rank
+    times = {label: [max(r[label][i] for r in every) for i in range(setup.rounds)] for label in steps}
+    timings = summarize(times, baseline=baseline if baseline in times else None)
+    split = gather({label: phase_medians(marks[label][setup.warmup:]) for label in steps})
     own = gather({label: peaks[label] - steps[label].state["others"] for label in steps} if cuda else {})
     for label in steps:
         exposed = [a - b for a, b in zip(times[label], times[local])] if local in times else None
@@ -579,88 +933,110 @@ def time_group(group, results, args, rank, device):
             "phases": [statistics.fmean(ms) for ms in zip(*(r[label] for r in split))],  # mean over ranks
             "exposed": statistics.median(exposed) if exposed else None})
 
-def benchmark_worker(rank, world, device, args):
+def benchmark_worker(rank, world, device, setup, groups):
     """{label: result} of every group's rows."""
     set_tf32(True)
     results = {}
-    for g, group in enumerate(args.groups):
+    for g, group in enumerate(groups):
         if rank == 0:
-            print(f"  group {g + 1} of {len(args.groups)}: {', '.join(label for label, _, _ in group)}", flush=True)
-        time_group(group, results, args, rank, device)
+            print(f"  group {g + 1} of {len(groups)}: {', '.join(label for label, _, _ in group)}", flush=True)
+        time_group(group, results, setup, rank, device)
         free_memory()  # the group's models are gone with time_group's frame
     return results
 
-def print_benchmark(rows, args, world):
+def memory_vs_torch(result, base):
+    """' (0.52x)': a variant's peak against torch DDP's, where both were measured."""
+    if result.get("peak") and base.get("peak"):
+        return f" ({result['peak'] / base['peak']:.2f}x)"
+    return ""
+
+def benchmark_row(label, result, base):
+    if result["oom"]:
+        return [label] + ["OOM"] * 8
+    timing = Timing(**result["timing"])
+    exposed = "-" if result["exposed"] is None or label == LABELS["local"] else f"{result['exposed']:.1f}"
+    peak = "n/a" if result["peak"] is None else gib(result["peak"]) + memory_vs_torch(result, base)
+    return [label, timing.ms(1), timing.vs(), exposed, *(f"{ms:.1f}" for ms in result["phases"]), peak]
+
+def plot_phases(path, done, title):
+    fig, ax = plot_to(path).subplots(figsize=(8, 1 + 0.4 * len(done)))
+    for k, phase in enumerate(["forward", "backward", "comm wait", "optimizer"]):
+        ax.barh(list(done), [r["phases"][k] for r in done.values()],
+                left=[sum(r["phases"][:k]) for r in done.values()], label=phase)
+    ax.invert_yaxis()
+    ax.set(xlabel="ms per step (median phases)", title=title)
+    ax.legend()
+    fig.savefig(path, bbox_inches="tight")
+    print(f"plot saved to {path}")
+
+def print_benchmark(rows, setup, world, plot):
     base = rows.get(LABELS["torch"], {})
-    vs = lambda r: f" ({r['peak'] / base['peak']:.2f}x)" if r.get("peak") and base.get("peak") else ""  # noqa: E731
     print_table(["variant", "step ms", "vs torch DDP (paired)", "exposed comm ms", "fwd ms", "bwd ms", "wait ms",
-                 "optim ms", "peak GiB (vs torch DDP)"],
-                [[label] + ["OOM"] * 8 if r["oom"] else
-                 [label, Timing(**r["timing"]).ms(1), Timing(**r["timing"]).vs(),
-                  "-" if r["exposed"] is None or label == LABELS["local"] else f"{r['exposed']:.1f}",
-                  *(f"{ms:.1f}" for ms in r["phases"]), "n/a" if r["peak"] is None else gib(r["peak"]) + vs(r)]
-                 for label, r in rows.items()])
-    print(f"step: median (min-max) over {args.rounds} rounds of {args.steps} steps, the slowest rank's; ratios paired "
-          "in rounds. exposed comm: median of (step - no-comm step). fwd/bwd/wait/optim: medians, mean over ranks "
-          "(torch DDP and FSDP2 wait inside bwd). peak: allocated, the variant's own, largest rank")
+                 "optim ms", "peak GiB (vs torch DDP)"], [benchmark_row(label, r, base) for label, r in rows.items()])
+    print(f"step: median (min-max) over {setup.rounds} rounds of {setup.steps} steps, the slowest rank's; ratios "
+          "paired in rounds. exposed comm: median of (step - no-comm step). fwd/bwd/wait/optim: medians, mean over "
+          "ranks (torch DDP and FSDP2 wait inside bwd). peak: allocated, the variant's own, largest rank")
     done = {label: r for label, r in rows.items() if not r["oom"]}
-    if args.plot:
-        fig, ax = plot_to(args.plot).subplots(figsize=(8, 1 + 0.4 * len(done)))
-        for k, phase in enumerate(["forward", "backward", "comm wait", "optimizer"]):
-            ax.barh(list(done), [r["phases"][k] for r in done.values()],
-                    left=[sum(r["phases"][:k]) for r in done.values()], label=phase)
-        ax.invert_yaxis()
-        ax.set(xlabel="ms per step (median phases)",
-               title=f"GPT {args.model}, {world} ranks, B={args.batch} T={args.seq}")
-        ax.legend()
-        fig.savefig(args.plot, bbox_inches="tight")
-        print(f"plot saved to {args.plot}")
-    parts = [f"{label} {r['timing']['ratio']:.2f}x{vs(r)}" for label, r in done.items()
+    if plot:
+        plot_phases(plot, done, f"GPT {setup.model}, {world} ranks, B={setup.batch} T={setup.seq}")
+    parts = [f"{label} {r['timing']['ratio']:.2f}x{memory_vs_torch(r, base)}" for label, r in done.items()
              if r["timing"]["ratio"] and label != LABELS["torch"]]
     print("summary: step (memory) vs torch DDP's: " + ("; ".join(parts) or "no torch DDP row to compare with"))
 
-def run_benchmark(args, gpu):
-    for flag, on_gpu, on_cpu in (("model", "xl", "tiny"), ("batch", 4, 2), ("seq", 512, 32), ("rounds", 30, 2),
-                                 ("warmup", 3, 1)):
-        setattr(args, flag, getattr(args, flag) or (on_gpu if gpu else on_cpu))
-    try:
-        config = make_config(args.model, vocab_size=args.vocab)
-        if args.plot:
-            plot_to(args.plot)
-    except ValueError as e:
-        fail(str(e))
-    if args.seq > config.block_size:
-        fail(f"--seq {args.seq} is longer than the {args.model} block size {config.block_size}")
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if not variants or any(v not in VARIANTS for v in variants):
-        bad = f"unknown {next(v for v in variants if v not in VARIANTS)!r}" if variants else "empty"
-        fail(f"--variants: {bad}; choose from {', '.join(LABELS)}")
-    # (label, key, bf16) per row; torch's bf16 hook needs NCCL
-    rows = [(LABELS[k] + (" bf16 compute" if k == "fsdp" else " bf16 comm") * (d == "bf16"), k, d == "bf16")
-            for k, _, d in (v.partition(":") for v in variants) if not (k == "torch" and d == "bf16" and not gpu)]
+def benchmark_rows(variants, gpu):
+    """(label, key, bf16) per variant asked for; torch's bf16 hook needs NCCL, so the CPU leaves it out."""
+    rows = []
+    for variant in variants:
+        key, _, dtype = variant.partition(":")
+        bf16 = dtype == "bf16"
+        if key == "torch" and bf16 and not gpu:
+            continue
+        suffix = ""
+        if bf16:
+            suffix = " bf16 compute" if key == "fsdp" else " bf16 comm"
+        rows.append((LABELS[key] + suffix, key, bf16))
+    return rows
+
+def host_bytes(keys, config, batch, seq, gpu):
+    """CPU: every variant's model and state in host memory at once, and one step's activations (GPU: 0)."""
     with torch.device("meta"):
         weights = 4 * GPT(config).num_params()
-    held = 0 if gpu else int(weights * (1 + sum(sum(RESIDENT[k]) for _, k, _ in rows))  # CPU: all in host memory
-                             + step_bytes(config, args.batch, args.seq, False))  # and one step's activations
-    check_launch(args.world, args.backend, held, f"the benchmark of GPT {args.model}")
-    args.groups = memory_groups(rows, config, args, args.world, weights)
-    print(f"data-parallel GPT {args.model} ({weights / 4e6:.0f}M parameters) on "
-          + (f"{args.world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast" if gpu else
-             f"{args.world} CPU processes over gloo, fp32 (no GPU: a smoke run, not a measurement)")
-          + f", torch {torch.__version__}: B={args.batch} per rank, T={args.seq}, AdamW; {args.rounds} rounds of "
-          f"{args.steps} steps per variant after {args.warmup} warm-up")
-    print_benchmark(launch(benchmark_worker, args.world, args.backend, args), args, args.world)
+    if gpu:
+        return 0
+    return int(weights * (1 + sum(sum(RESIDENT[k]) for k in keys)) + step_bytes(config, batch, seq, False))
+
+def run_benchmark(setup, config, variants, world, backend, plot, timeout):
+    gpu = backend == "nccl"
+    if plot:
+        try:
+            plot_to(plot)
+        except ValueError as e:
+            fail(str(e))
+    rows = benchmark_rows(variants, gpu)
+    with torch.device("meta"):
+        weights = 4 * GPT(config).num_params()
+    held = host_bytes([k for _, k, _ in rows], config, setup.batch, setup.seq, gpu)
+    check_launch(world, backend, held, f"the benchmark of GPT {setup.model}")
+    groups = memory_groups(rows, config, setup.batch, setup.seq, backend, world, weights)
+    where = f"{world} CPU processes over gloo, fp32 (no GPU: CPU defaults, a smoke run, not a measurement)"
+    if gpu:
+        where = f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast"
+    print(f"data-parallel GPT {setup.model} ({weights / 4e6:.0f}M parameters) on {where}, torch {torch.__version__}: "
+          f"B={setup.batch} per rank, T={setup.seq}, AdamW; {setup.rounds} rounds of {setup.steps} steps per variant "
+          f"after {setup.warmup} warm-up")
+    results = launch(partial(benchmark_worker, setup=setup, groups=groups), world, backend, timeout)
+    print_benchmark(results, setup, world, plot)
 
 # takeaway: interleaved rounds beside a no-comm row show what communication costs a step, phase by phase.
 
-# --- 6. launching the ranks, and the command line
+# --- 8. launching the ranks, and the command line
 def gather(obj):
     """obj from every rank, as a list indexed by rank."""
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
-def run_rank(rank, world, backend, worker, args, tmp):
+def run_rank(rank, world, backend, worker, timeout, tmp):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: the parent stops them all
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -669,21 +1045,22 @@ def run_rank(rank, world, backend, worker, args, tmp):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     # the timeout turns a rank that never arrives (a crash, an OOM on one GPU) into an error
     dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout), device_id=device if backend == "nccl" else None)
+                            timeout=timedelta(seconds=timeout), device_id=device if backend == "nccl" else None)
     try:
-        result = worker(rank, world, device, args)
+        result = worker(rank, world, device)
     finally:
         dist.destroy_process_group()
     if rank == 0:
         torch.save(result, f"{tmp}/result.pt")
 
-def launch(worker, world, backend, args):
-    """worker(rank, world, device, args) on every rank; rank 0's result, via a file. Forked ranks start fast, but
-    where CUDA exists they are spawned: once this process has asked the driver anything, a fork's CUDA fails."""
+def launch(worker, world, backend, timeout):
+    """worker(rank, world, device) on every rank (partial() binds its other arguments); rank 0's result, via a
+    file. Forked ranks start fast, but where CUDA exists they are spawned: once this process has asked the driver
+    anything, a fork's CUDA fails. A rank that fails or is killed ends the run in one line."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # no line per rank stopped
     with tempfile.TemporaryDirectory() as tmp:
         method = "spawn" if backend == "nccl" or torch.cuda.is_available() else "fork"
-        ranks = mp.start_processes(run_rank, (world, backend, worker, args, tmp), world, False, start_method=method)
+        ranks = mp.start_processes(run_rank, (world, backend, worker, timeout, tmp), world, False, start_method=method)
         try:
             while not ranks.join():
                 pass
@@ -698,53 +1075,98 @@ def launch(worker, world, backend, args):
         except mp.ProcessExitedException as e:  # a rank called fail() and said why (2), or was killed
             if e.exit_code is not None and e.exit_code < 0:
                 name = signal.Signals(-e.exit_code).name
-                fail(f"rank {e.error_index} was killed by {name}" + " (out of memory?)" * (name == "SIGKILL"))
+                why = " (out of memory?)" if name == "SIGKILL" else ""
+                fail(f"rank {e.error_index} was killed by {name}{why}")
             sys.exit(e.exit_code or 1)
         return torch.load(f"{tmp}/result.pt")
 
-def check_launch(world, backend, rank_bytes, what):
+def check_launch(world, backend, rank_bytes, what, hint="lower --batch, --seq or --world, or use a smaller --model"):
     """Exit 2 with one sentence before starting ranks this machine cannot hold."""
     if backend == "nccl" and world > torch.cuda.device_count():
         fail(f"--world {world} is more than the {torch.cuda.device_count()} GPUs on this machine")
     # a spawned GPU rank imports torch and makes a CUDA context (~2 GiB of host memory); a forked CPU rank does not
-    check_host_memory(world * (rank_bytes + (2**31 if backend == "nccl" else 2**28)), f"{what} on {world} ranks",
-                      "lower --batch, --seq or --world, or use a smaller --model")
+    check_host_memory(world * (rank_bytes + (2**31 if backend == "nccl" else 2**28)), f"{what} on {world} ranks", hint)
+
+def step_setup(device, model, vocab, batch, seq, bucket_mb, warmup, rounds, steps):
+    """The GPT step's flags with their CPU/GPU defaults, and the model's config; one that cannot work ends here."""
+    setup = StepSetup(model=model or on_device(device, cpu="tiny", gpu="xl"),
+                      vocab=vocab,
+                      batch=batch or on_device(device, cpu=2, gpu=4),
+                      seq=seq or on_device(device, cpu=32, gpu=512),
+                      bucket_mb=bucket_mb,
+                      warmup=warmup or on_device(device, cpu=1, gpu=3),
+                      rounds=rounds or on_device(device, cpu=2, gpu=30),
+                      steps=steps)
+    try:
+        config = make_config(setup.model, vocab_size=vocab)
+    except ValueError as e:
+        fail(str(e))
+    if setup.seq > config.block_size:
+        fail(f"--seq {setup.seq} is longer than the {setup.model} block size {config.block_size}")
+    return setup, config
+
+def add_step_flags(p):
+    p.add_argument("--model", help="preset (default xl on GPU, tiny on CPU)")
+    p.add_argument("--batch", type=int_in(1), help="sequences per rank (default 4; 2 on CPU)")
+    p.add_argument("--seq", type=int_in(1), help="context length (default 512; 32 on CPU)")
+    p.add_argument("--vocab", type=int_in(1), default=50304, help="vocabulary, padded to a multiple of 128")
+    p.add_argument("--rounds", type=int_in(1),
+                   help="interleaved rounds (default 30, 2 on CPU: with 8, ratios moved 12%%)")
+    p.add_argument("--warmup", type=int_in(1), help="untimed steps per variant first (default 3; 1 on CPU)")
+    p.add_argument("--steps", type=int_in(1), default=2, help="steps per variant per round")
+    p.add_argument("--bucket-mb", type=float_in(0.001), default=25,
+                   help="bucket size for BucketDDP, ZeRO and torch DDP")
+
+def build_parser():
+    parser = argparse.ArgumentParser(description="Data-parallel training written out: all-reduce, DDP, ZeRO, FSDP.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ar = sub.add_parser("allreduce", help="all-reduce time and bandwidth over gloo (CPU) and NCCL (GPU)")
+    ar.add_argument("--sizes", type=size_list, help="MiB, a comma list (default 1,10,100,1024; 0.1,1,10,100 on CPU)")
+    ar.add_argument("--worlds", type=int_list(2), help="ranks, a comma list (default 2,4,6, 8 with 8 GPUs; CPU: 2,4)")
+    ar.add_argument("--backend", choices=["gloo", "nccl", "both"], help="default: both with GPUs, else gloo")
+    ar.add_argument("--warmup", type=int_in(0), help="untimed all-reduces per size first (default 5; 2 on CPU)")
+    ar.add_argument("--iters", type=int_in(1), help="timed all-reduces per size and rank (default 20; 10 on CPU)")
+    ar.add_argument("--plot", help="save bus bandwidth against size, a line per backend and world, to this PNG")
+    st = sub.add_parser("selftest", help="every wrapper against one process on the whole batch")
+    st.add_argument("--steps", type=int_in(1), default=3, help="training steps compared")
+    om = sub.add_parser("optimizer-memory", help="AdamW's state per rank, whole (DDP) or sharded (ZeRO-1)")
+    add_step_flags(om)
+    bm = sub.add_parser("benchmark", help="a GPT training step under every variant, interleaved in rounds")
+    add_step_flags(bm)
+    bm.add_argument("--variants", type=variant_list, default=",".join(v for v in VARIANTS if ":fp32" not in v),
+                    help=f"comma-separated, from: {','.join(LABELS)}; key:bf16 sends (fsdp: computes with) bf16")
+    bm.add_argument("--plot", help="save the step split per variant to this PNG (needs matplotlib)")
+    for p in (st, om, bm):
+        p.add_argument("--world", type=int_in(1), default=2, help="ranks (default 2)")
+        p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
+    for p in (ar, st, om, bm):
+        p.add_argument("--timeout", type=float_in(1), default=300,
+                       help="seconds a collective may wait before the run fails")
+    return parser
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Data-parallel training written out: DDP, ZeRO, FSDP.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    bm = sub.add_parser("benchmark", help="a GPT training step under every variant, interleaved in rounds")
-    bm.add_argument("--model", help="preset (default xl on GPU, tiny on CPU)")
-    bm.add_argument("--batch", type=int, help="sequences per rank (default 4; 2 on CPU)")
-    bm.add_argument("--seq", type=int, help="context length (default 512; 32 on CPU)")
-    bm.add_argument("--vocab", type=int, default=50304, help="vocabulary, padded to a multiple of 128")
-    bm.add_argument("--rounds", type=int, help="interleaved rounds (default 30, 2 on CPU: with 8, ratios moved 12%%)")
-    bm.add_argument("--warmup", type=int, help="untimed steps per variant first (default 3; 1 on CPU)")
-    bm.add_argument("--steps", type=int, default=2, help="steps per variant per round")
-    bm.add_argument("--variants", default=",".join(v for v in VARIANTS if ":fp32" not in v),
-                    help=f"comma-separated, from: {','.join(LABELS)}; key:bf16 sends (fsdp: computes with) bf16")
-    bm.add_argument("--bucket-mb", type=float, default=25, help="bucket size for BucketDDP, ZeRO and torch DDP")
-    bm.add_argument("--plot", help="save the step split per variant to this PNG (needs matplotlib)")
-    st = sub.add_parser("selftest", help="every wrapper against one process on the whole batch")
-    st.add_argument("--steps", type=int, default=3, help="training steps compared")
-    for p in (bm, st):
-        p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
-        p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
-        p.add_argument("--timeout", type=float, default=300, help="seconds a collective may wait before the run fails")
-    args = parser.parse_args(argv)
-    gpu = args.backend == "nccl" or (args.backend is None and torch.cuda.is_available())
-    args.backend = "nccl" if gpu else "gloo"
+    args = build_parser().parse_args(argv)
     if "RANK" in os.environ:
         fail("ddp.py starts its own ranks, one per GPU: run it with python, not torchrun")
-    if gpu and not torch.cuda.is_available():
-        fail("--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo")
-    for flag in ("world", "steps", "batch", "seq", "rounds", "warmup", "vocab", "timeout", "bucket_mb"):
-        least = 0.001 if flag == "bucket_mb" else 1
-        if (value := getattr(args, flag, None)) is not None and value < least:
-            fail(f"--{flag.replace('_', '-')} must be at least {least:g}, got {value:g}")
+    cuda = torch.cuda.is_available()
+    backend = args.backend
+    if backend is None and not cuda:
+        backend = "gloo"
+    elif backend is None:  # the all-reduce table puts gloo beside NCCL where both exist
+        backend = "both" if args.command == "allreduce" else "nccl"
+    if backend != "gloo" and not cuda:
+        fail(f"--backend {backend} needs CUDA GPUs and this machine has none; use --backend gloo")
+    device = "cpu" if backend == "gloo" else "cuda"  # gloo: CPU tensors and the CPU defaults
+    if args.command == "allreduce":
+        return run_allreduce(device, backend, args.sizes, args.worlds, args.warmup, args.iters, args.plot,
+                             args.timeout)
     if args.command == "selftest":
-        return run_selftest(args)
-    run_benchmark(args, gpu)
+        return run_selftest(args.world, backend, args.steps, args.timeout)
+    setup, config = step_setup(device, args.model, args.vocab, args.batch, args.seq, args.bucket_mb, args.warmup,
+                               args.rounds, args.steps)
+    if args.command == "optimizer-memory":
+        return run_optimizer_memory(setup, config, args.world, backend, args.timeout)
+    run_benchmark(setup, config, args.variants, args.world, backend, args.plot, args.timeout)
 
 # takeaway: the parent starts a process per rank and stops them all; a killed or failing rank is one clear line.
 

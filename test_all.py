@@ -861,7 +861,7 @@ def test_memory_on_the_gpu():
     check_bad_inputs("memory.py", [("account --model xl --batch 4096 --seq 1024", "predicts batch")])
 
 
-# --- 7. ddp.py: every wrapper, ZeRO and FSDP equal one process; the interleaved benchmark; bad input
+# --- 7. ddp.py: every wrapper, ZeRO and FSDP equal one process; all-reduce; optimizer memory; benchmark; bad input
 
 class NoSyncDDP(ddp.DataParallel):  # trains without averaging: the selftest must catch it (module level: a
     def finish_gradient_synchronization(self):  # spawned rank unpickles it by name)
@@ -879,10 +879,53 @@ def test_ddp_selftest_matches_one_process():
     finally:
         del ddp.TOY_VARIANTS["no-sync"]
     n = len(ddp.TOY_VARIANTS)
-    for world, (code, out, err) in runs.items():
+    for code, out, err in runs.values():
         assert code == 1 and f"{n} of {n + 1} variants match one-process training; FAILED: no-sync" in out, out + err
     rows = {ln.split()[0]: ln.split()[1:] for ln in runs[2][1].splitlines() if ln.split()[:1] in (["fsdp"], ["bucket"])}
     assert rows["fsdp"] == ["0.0e+00", "bitwise", "ok"] and rows["bucket"][1:] == ["bitwise", "ok"], runs[2][1]
+
+def allreduce_table(out):  # {(world, size): the row's cells after the size} of `ddp.py allreduce`'s table
+    lines = out.split("\n----")[1].split("\nover every rank's")[0].splitlines()[1:]
+    return {(int(ln.split()[2]), " ".join(ln.split()[3:5])): ln.split()[5:] for ln in lines}
+
+def test_ddp_allreduce_gloo_rows_bus_bandwidth_and_sums():
+    """gloo on 2 and 3 ranks: a row per world and size, busbw = algbw x 2(n-1)/n, every sum exact; an all-reduce
+    that does not reduce is caught."""
+    out, err = main_ok("ddp.py", "allreduce", "--backend", "gloo", "--worlds", "2,3", "--sizes", "0.001,0.05",
+                       "--warmup", 1, "--iters", 3)
+    table = allreduce_table(out)
+    assert sorted(table) == [(2, "0.001 MiB"), (2, "0.05 MiB"), (3, "0.001 MiB"), (3, "0.05 MiB")], out
+    for (world, _), cells in table.items():
+        mean, low, high, algbw, busbw = (float(cells[i]) for i in (0, 3, 4, 6, 7))  # (cells[1:3]: "±", std)
+        assert 0 < low <= mean <= high and len(cells[5].split("/")) == world and cells[8] == "yes", out
+        assert abs(busbw - algbw * 2 * (world - 1) / world) <= 0.01 * busbw, out  # (3 significant digits)
+    assert out.splitlines()[-1].startswith("summary: every sum exact"), out
+    if not HAS_CUDA:  # forked ranks inherit the patch (with CUDA present, ranks are spawned and would not)
+        with unittest.mock.patch.object(ddp.dist, "all_reduce", lambda tensor, *args, **kw: None):
+            code, out, err = call_main("ddp.py", "allreduce", "--backend", "gloo", "--worlds", 2, "--sizes", 0.001,
+                                       "--warmup", 0, "--iters", 1)
+        assert code == 1 and "summary: WRONG all-reduce sums: gloo (CPU) world 2 0.001 MiB" in out, out + err
+
+def test_ddp_optimizer_memory_counts_match_prediction():
+    """On 2 gloo ranks every counted byte is the predicted one; AdamW keeps 8 bytes a parameter and a step count a
+    tensor on every rank, ZeRO-1 splits exactly that between the ranks; a table row per variant, rank and point."""
+    with unittest.mock.patch.object(ddp, "print_optimizer_memory", wraps=ddp.print_optimizer_memory) as printed:
+        out, err = main_ok("ddp.py", "optimizer-memory", "--world", 2, "--backend", "gloo", "--batch", 1, "--seq", 8,
+                           "--rounds", 1, "--steps", 1)
+    memory, timed = printed.call_args.args[:2]  # the bytes themselves, not the table's rounded MiB
+    with torch.device("meta"):
+        params = list(gpt.GPT(gpt.make_config("tiny", vocab_size=50304)).parameters())
+    full = 8 * sum(p.numel() for p in params) + 4 * len(params)
+    for ranks in memory.values():
+        for points in ranks:
+            assert all(sum(counted[:3]) == counted[3] for counted in points.values()), points
+    assert [points["after step"][2] for points in memory["BucketDDP"]] == [full] * 2, memory["BucketDDP"]
+    sharded = [points["after step"][2] for points in memory["ZeRO-1"]]
+    assert sum(sharded) == full and max(sharded) < full and min(sharded) > 0, (sharded, full)
+    assert not timed["BucketDDP"]["oom"] and timed["ZeRO-1"]["timing"]["ratio"] > 0, timed
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith(("BucketDDP ", "ZeRO-1 "))]
+    assert len(rows) == 2 * 2 * 3 + 2 and all(r[-3] == r[-2] for r in rows[:12]), out  # predicted = live
+    assert out.splitlines()[-1].startswith("summary: ZeRO-1's fullest rank keeps"), out
 
 def test_ddp_benchmark_cpu_smoke():
     """On 2 gloo ranks: a benchmark row per variant."""
@@ -900,31 +943,53 @@ def test_ddp_rank_killed_is_one_line():
     """A rank the kernel kills (here: SIGKILL to itself) is reported in one line, exit 2."""
     with contextlib.redirect_stderr(io.StringIO()) as err:
         try:
-            code = ddp.launch(kill_rank_one, 2, "gloo", types.SimpleNamespace(timeout=30))
+            code = ddp.launch(kill_rank_one, 2, "gloo", 30)
         except SystemExit as e:
             code = e.code
     said = err.getvalue().strip()
     assert code == 2 and said == "error: rank 1 was killed by SIGKILL (out of memory?)", said
 
 def test_ddp_bad_inputs():
+    gpus = torch.cuda.device_count()
     with tempfile.TemporaryDirectory() as tmp:
         check_bad_inputs("ddp.py", [
-            ("benchmark --world 0", "--world must be at least 1"), ("selftest --world 3", "1, 2, 4 or 8 ranks"),
-            ("benchmark --world 4096",
-             f"more than the {torch.cuda.device_count()} GPUs" if HAS_CUDA else "of this machine's memory"),
+            ("benchmark --world 0", "argument --world: must be at least 1"),
+            ("selftest --world 3", "1, 2, 4 or 8 ranks"),
+            ("benchmark --world 4096", f"more than the {gpus} GPUs" if HAS_CUDA else "of this machine's memory"),
             (f"benchmark --plot {tmp}/missing/ddp.png", "does not exist"),
             (f"benchmark --plot {tmp}", "is a directory"),
             ("benchmark --backend gloo --batch 100000", "of this machine's memory"),
-            ("selftest --steps 0", "at least 1"),
-            ("benchmark --warmup 0", "--warmup must be at least 1"),
-            ("benchmark --rounds 0", "--rounds must be at least 1"),
-            ("benchmark --seq 100000", "block size"), ("benchmark --model banana", "unknown model"),
-            ("benchmark --variants ,", "empty"), ("benchmark --vocab 100", "below the tokenizer"),
+            ("selftest --steps 0", "argument --steps: must be at least 1"),
+            ("benchmark --warmup 0", "argument --warmup: must be at least 1"),
+            ("benchmark --rounds 0", "argument --rounds: must be at least 1"),
+            ("benchmark --rounds two", "expected an integer, got 'two'"),
+            ("benchmark --seq 100000", "block size"),
+            ("benchmark --model banana", "unknown model"),
+            ("benchmark --variants ,", "empty"),
+            ("benchmark --vocab 100", "below the tokenizer"),
             ("benchmark --variants fsdp,bogus", "unknown 'bogus'"),
             ("benchmark --variants local:bf16", "unknown 'local:bf16'"),
-            ("benchmark --bucket-mb 0", "--bucket-mb must be at least"),
-            ("benchmark --timeout 0", "--timeout must be at least 1"),
-        ] + ([] if HAS_CUDA else [("selftest --backend nccl", "needs CUDA")]))
+            ("benchmark --bucket-mb 0", "argument --bucket-mb: must be at least"),
+            ("benchmark --timeout 0", "argument --timeout: must be at least 1"),
+            ("allreduce --sizes 0", "at least one float32"),
+            ("allreduce --sizes -1", "argument --sizes: must be at least 0"),
+            ("allreduce --sizes 1,,2", "expected a comma list of sizes in MiB"),
+            ("allreduce --worlds 1", "argument --worlds: must be at least 2, got 1"),
+            ("allreduce --worlds 2,x", "expected an integer, got 'x'"),
+            ("allreduce --iters 0", "argument --iters: must be at least 1"),
+            ("allreduce --warmup -1", "argument --warmup: must be at least 0"),
+            ("allreduce --backend gloo --sizes 100000", "of this machine's memory"),
+            (f"allreduce --backend gloo --plot {tmp}", "is a directory"),
+            ("optimizer-memory --world 0", "argument --world: must be at least 1"),
+            ("optimizer-memory --model banana", "unknown model"),
+            ("optimizer-memory --backend gloo --batch 100000", "of this machine's memory"),
+        ] + ([
+            (f"allreduce --backend nccl --worlds {gpus + 1}", f"more than the {gpus} GPUs on this machine"),
+        ] if HAS_CUDA else [
+            ("selftest --backend nccl", "needs CUDA"),
+            ("allreduce --backend nccl", "--backend nccl needs CUDA"),
+            ("allreduce --backend both", "--backend both needs CUDA"),
+        ]))
 
 @gpu
 def test_ddp_gpu_selftest_and_benchmark():
@@ -938,6 +1003,25 @@ def test_ddp_gpu_selftest_and_benchmark():
     assert "OOM" not in table and "n/a" not in table, out
     assert all(label in table for label in ("BucketDDP bf16 comm", "torch DDP bf16 comm", "ZeRO-2", "FSDP bf16 compute",
                                             "torch FSDP2"))
+
+@gpu
+def test_ddp_gpu_allreduce_and_optimizer_memory():
+    """NCCL all-reduce rows with exact sums on 2 GPUs (with 1: a one-line refusal, exit 2); memory_allocated within
+    2% (+0.05 GiB: the batch, the step's detached logits) of the predicted bytes at every point of GPT small's first
+    step, DDP and ZeRO-1."""
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        check_bad_inputs("ddp.py", [("allreduce --backend nccl", "needs at least 2 GPUs and this machine has 1")])
+    else:
+        out = run("ddp.py", "allreduce", "--backend", "nccl", "--worlds", 2, "--sizes", "1,64", "--iters", 5,
+                  timeout=300).stdout
+        table = allreduce_table(out)
+        assert sorted(table) == [(2, "1 MiB"), (2, "64 MiB")] and all(c[8] == "yes" for c in table.values()), out
+    out = run("ddp.py", "optimizer-memory", "--world", min(2, gpus), "--model", "small", "--batch", 2, "--seq", 64,
+              "--rounds", 2, "--steps", 1, "--warmup", 1, timeout=300).stdout
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith(("BucketDDP ", "ZeRO-1 "))][:-2]
+    assert len(rows) == 2 * 3 * min(2, gpus), out
+    assert all(abs(float(r[-2]) - float(r[-3])) <= 0.02 * float(r[-3]) + 0.05 for r in rows), out
 
 
 # --- 8. flash_triton.py: both autograd Functions vs float64, the saved logsumexp, determinism, bad input
