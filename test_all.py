@@ -453,7 +453,8 @@ def test_train_bad_input_and_checkpoints():
                 f.write(value) if isinstance(value, bytes) else torch.save(value, f)
         check_bad_inputs("train.py", {
             "--model gpt5": "unknown model", "--model gpt2 --seq 2048": "block size", "--bf16 --fp16": "exclusive",
-            "--vocab 50000": "below the tokenizer", "--min-lr 1e-3": "between 0 and --lr", "--device banana": "cuda:N",
+            "--vocab 50000": "--vocab: must be at least 50257", "--min-lr 1e-3": "between 0 and --lr",
+            "--device banana": "cuda:N",
             "--fp8": "--fp8 needs", "--fsdp": "under torchrun", "--fsdp --fp16": "GradScaler",
             "--ckpt ''": "a file name", "--model tiny --recompute 5": "above the 4",
             "--ckpt input.txt": "refusing to overwrite", f"--ckpt {tmp}": "is a directory",
@@ -465,12 +466,15 @@ def test_train_bad_input_and_checkpoints():
             f"{R}/empty.pt": "empty file", f"{R}/bare.pt": "weights alone", f"{R}/tensor.pt": "bare tensor",
             f"{one} --ckpt {tmp}/ok.pt": "already holds a checkpoint: continue it with --resume",
             "--resume": "needs --ckpt", f"{R}/ok.pt --overwrite": "exclusive", f"--data {tmp}": "is a directory",
-            "--lr nan": "--lr must be a finite", "--min-lr inf": "finite", "--ckpt /proc/x.pt": "cannot be written",
+            "--lr nan": "--lr: expected a finite number", "--min-lr inf": "finite",
+            "--ckpt /proc/x.pt": "cannot be written",
             "--device cpu --model 2.7B --vocab 16777216 --batch 1 --seq 64": "of this machine's memory",
             f"{one} --stop-after 1 {R}/ok.pt --steps 2": "(a step of the run, not a count)",
-            **{f"--{f} {v}": f"--{f} must be positive" for f in ("batch", "stop-after", "recompute") for v in (0, -1)},
-            **{f"--{f} -1": f"--{f} cannot be negative"
+            **{f"--{f} {v}": f"--{f}: must be at least 1, got {v}" for f in ("batch", "stop-after", "recompute")
+               for v in (0, -1)},
+            **{f"--{f} -1": f"--{f}: must be at least 0, got -1"
                for f in ("warmup", "grad-clip", "weight-decay", "sample", "fp8")},
+            "--batch 2.5": "--batch: expected an integer", "--attn fast": "invalid choice: 'fast'",
             **({} if HAS_CUDA else {"--fp16": "needs a CUDA GPU", "--device cuda": "no CUDA GPU",
                                     "--fp8 0 --bf16": "FP8 tensor"})})
         assert open(os.path.join(HERE, "input.txt"), "rb").read() == text  # --ckpt input.txt left it alone
