@@ -17,17 +17,18 @@ import contextlib
 import os
 import statistics
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from itertools import product
 
 import torch
 
-from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPU_ONLY_ATTENTION, PRESETS, amp_dtype, autocast, check_host_memory,
-                 check_output_path, clock, compile_model, configure_optimizer, elapsed_ms, fail, flops_per_token,
-                 fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, is_oom, lazily, make_config, mfu, plot_to,
-                 print_table, resolve_device, run_main, set_tf32, step_bytes, summarize, synchronize, time_rounds,
-                 train_step, use_fp8)
+import gpt  # gpt.NVTX: the switch --nvtx sets
+from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, PRESETS, GPTConfig, amp_dtype, autocast,
+                 check_host_memory, check_output_path, clock, compile_model, configure_optimizer, elapsed_ms, fail,
+                 flops_per_token, fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, int_in, int_list, is_oom,
+                 lazily, make_config, mfu, nvtx_range, on_device, plot_to, print_table, resolve_device, run_main,
+                 set_tf32, step_bytes, summarize, synchronize, time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
 LADDER = (("fp32, naive attention, vocab 50257", {}),
@@ -55,6 +56,32 @@ def skip_reason(change, s, device):
     if s["fp8"] and not fp8_supported(device):
         return "skipped: needs FP8 tensor cores (H100/H200)"
 
+@dataclass
+class Bench:
+    """One built variant: the model, what calls it (the model or its compiled wrapper), its optimizer, precision."""
+    model: torch.nn.Module
+    runner: object
+    optimizer: torch.optim.Optimizer
+    dtype: torch.dtype = None
+    tf32: bool = False
+    scaler: torch.amp.GradScaler = None
+    config: GPTConfig = None
+
+@dataclass(frozen=True)
+class Plan:
+    """What the sweep and the timer run, from the flags with this device's defaults (made once, in settings)."""
+    batch: list
+    seq: list
+    vocab: list
+    modes: tuple  # of MODES
+    rounds: int = 3
+    steps: int = 1
+    warmup: int = 1
+    dtype: torch.dtype = None
+    tf32: bool = False
+    attn: str = "sdpa"
+    compile: bool = False
+
 def build(config, s, device):
     config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"])
     torch.manual_seed(0)
@@ -63,21 +90,25 @@ def build(config, s, device):
     if s["fp8"]:  # forced: by default use_fp8 converts only Linears >= FP8_MIN_WIDTH wide, none of gpt2's
         use_fp8(model, min_width=0)
     runner = compile_model(model, cuda_graphs=s["graphs"]) if s["compile"] else model
-    scaler = torch.amp.GradScaler(device.type) if s["dtype"] == torch.float16 else None
-    return {"model": model, "runner": runner, "optimizer": configure_optimizer(model, lr=1e-4),
-            "dtype": s["dtype"], "tf32": s["tf32"], "scaler": scaler, "config": config}
+    scaler = None
+    if s["dtype"] == torch.float16:
+        scaler = torch.amp.GradScaler(device.type)
+    return Bench(model, runner, configure_optimizer(model, lr=1e-4), s["dtype"], s["tf32"], scaler, config)
 
 def run_step(mode, bench, x, y):
     # The forward runs with autograd on, as in training: it keeps the activations backward needs, most of
     # a step's memory. With the fused linear-CE the output layer's backward matmuls run (and count) here.
-    set_tf32(bench["tf32"])  # a process-wide switch: each variant sets its own before queueing
-    if mode == "train":  # gpt.train_step: forward, backward, AdamW, gradients dropped
-        return train_step(bench["runner"], bench["optimizer"], x, y, bench["dtype"], bench["scaler"])
-    with autocast(x.device, bench["dtype"]):
-        _, loss = bench["runner"](x, y)
+    set_tf32(bench.tf32)  # a process-wide switch: each variant sets its own before queueing
+    if mode == "train":  # gpt.train_step: forward, backward, AdamW, gradients dropped (NVTX ranges inside)
+        return train_step(bench.runner, bench.optimizer, x, y, bench.dtype, bench.scaler)
+    with nvtx_range("forward"), autocast(x.device, bench.dtype):
+        _, loss = bench.runner(x, y)
     if mode == "forward-backward":
-        (bench["scaler"].scale(loss) if bench["scaler"] else loss).backward()
-        bench["model"].zero_grad(set_to_none=True)
+        if bench.scaler is not None:
+            loss = bench.scaler.scale(loss)
+        with nvtx_range("backward"):
+            loss.backward()
+        bench.model.zero_grad(set_to_none=True)
 
 def batch_of(B, T, device):
     return torch.randint(0, 50257, (2, B, T), generator=torch.Generator().manual_seed(1)).to(device)
@@ -85,13 +116,19 @@ def batch_of(B, T, device):
 def held_bytes(bench):  # what a built model keeps between steps: weights and AdamW's moments
     if bench is None:
         return 0
-    state = [t for s in bench["optimizer"].state.values() for t in s.values() if torch.is_tensor(t)]
-    return sum(t.numel() * t.element_size() for t in [*bench["model"].parameters(), *state])
+    state = [t for s in bench.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in [*bench.model.parameters(), *state])
 
-def timed(variants, device, args):
-    times, peaks = time_rounds(variants, device, args.rounds, args.steps, args.warmup,
-                               progress=lambda r: print(f"  round {r + 1}/{args.rounds}", file=sys.stderr, flush=True))
-    own = {n: peaks[n] - variants[n].state["others"] if peaks.get(n) is not None else None for n in peaks}
+def timed(variants, device, plan):
+    """gpt.time_rounds, a progress line a round; peaks less what the other variants held (none without warm-up)."""
+    def progress(r):
+        print(f"  round {r + 1}/{plan.rounds}", file=sys.stderr, flush=True)
+    times, peaks = time_rounds(variants, device, plan.rounds, plan.steps, plan.warmup, progress=progress)
+    own = {}
+    for name, peak in peaks.items():
+        own[name] = None
+        if peak is not None and plan.warmup > 0:
+            own[name] = peak - variants[name].state["others"]
     return times, own
 
 def speedup(times, name, base, work=1.0):
@@ -106,20 +143,25 @@ def rungs():
         settings = {**settings, **change}
         yield name, change, settings
 
-def run_ladder(config, B, T, device, args, plt=None):
+def ladder_step(config, s, x, y, device):  # a rung's train step, built at its first call (gpt.lazily)
+    return partial(run_step, "train", build(config, s, device), x, y)
+
+def run_ladder(config, B, T, device, plan, plot=None, plt=None):
     torch._dynamo.reset()  # the compiled rungs compile here, from scratch
     x, y = batch_of(B, T, device)
     variants, skipped = {}, {}
     for name, change, settings in rungs():
-        if reason := skip_reason(change, settings, device):
+        reason = skip_reason(change, settings, device)
+        if reason:
             skipped[name] = reason
             continue
-        note = f"  {name}: {'compiling...' if settings['compile'] else 'first step'}"
-        make = lambda s=settings: partial(run_step, "train", build(config, s, device), x, y)  # noqa: E731
-        variants[name] = lazily(make, device, note=note)
-    print(f"timing {len(variants)} rungs together: {args.warmup} warm-up steps each, then "
-          f"{args.rounds} rounds of {args.steps} steps", file=sys.stderr, flush=True)
-    times, peaks = timed(variants, device, args)
+        note = f"  {name}: first step"
+        if settings["compile"]:
+            note = f"  {name}: compiling..."
+        variants[name] = lazily(partial(ladder_step, config, settings, x, y, device), device, note=note)
+    print(f"timing {len(variants)} rungs together: {plan.warmup} warm-up steps each, then "
+          f"{plan.rounds} rounds of {plan.steps} steps", file=sys.stderr, flush=True)
+    times, peaks = timed(variants, device, plan)
     stats = summarize(times, peaks=peaks)
     flops = flops_per_token(config, T)  # useful work: vocabulary padding is not counted
     rows, first, prev = [], None, None
@@ -133,7 +175,7 @@ def run_ladder(config, B, T, device, args, plt=None):
                      "-" if first is None else speedup(times, name, first), fmt_mfu(mfu(flops * tok_s, device)),
                      "n/a" if t.peak is None else gib(t.peak)])
         first, prev = first or name, name
-    print(f"\nspeed ladder, train steps of {B}x{T} tokens, {args.rounds} rounds of {args.steps} steps "
+    print(f"\nspeed ladder, train steps of {B}x{T} tokens, {plan.rounds} rounds of {plan.steps} steps "
           "(speed-ups paired: median of per-round ratios, min-max)")
     print_table(["rung", "ms/step, median (min-max)", "tokens/s", "speed-up vs previous", "vs first rung",
                  "MFU", "peak alloc (GiB)"], rows)
@@ -144,7 +186,7 @@ def run_ladder(config, B, T, device, args, plt=None):
               f"(train.py --fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)")
     if plt is not None and first is not None:
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-        plot_ladder(plt, args.plot, [n for n, _ in LADDER if stats.get(n)], stats, f"train step, B={B} T={T}, {where}")
+        plot_ladder(plt, plot, [n for n, _ in LADDER if stats.get(n)], stats, f"train step, B={B} T={T}, {where}")
     if first is None:
         return "ladder: no rung ran"
     end = HEADLINE if stats.get(HEADLINE) else prev  # the summary ends on train.py's configuration
@@ -196,20 +238,23 @@ def build_nanogpt(module, config, device):
     with contextlib.redirect_stdout(sys.stderr):  # it prints its parameter counts
         model = module.GPT(cfg).to(device)
         optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device.type)
-    gpu = device.type == "cuda"
-    return {"model": model, "runner": torch.compile(model) if gpu else model, "optimizer": optimizer,
-            "dtype": torch.bfloat16 if gpu else None}
+    if device.type != "cuda":  # a smoke run: eager fp32
+        return Bench(model, model, optimizer)
+    return Bench(model, torch.compile(model), optimizer, torch.bfloat16)
 
 def nanogpt_step(bench, x, y):
-    with autocast(x.device, bench["dtype"]):
-        _, loss = bench["runner"](x, y)
+    with autocast(x.device, bench.dtype):
+        _, loss = bench.runner(x, y)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(bench["model"].parameters(), 1.0)
-    bench["optimizer"].step()
-    bench["optimizer"].zero_grad(set_to_none=True)
+    torch.nn.utils.clip_grad_norm_(bench.model.parameters(), 1.0)
+    bench.optimizer.step()
+    bench.optimizer.zero_grad(set_to_none=True)
 
-def run_nanogpt(path, config, B, T, device, args):
-    module, gpu = args.nanogpt_module, device.type == "cuda"
+def headline_step(bench, x, y):  # ours, clipped at 1.0 as nanoGPT's train.py
+    return train_step(bench.runner, bench.optimizer, x, y, bench.dtype, grad_clip=1.0)
+
+def run_nanogpt(path, module, config, B, T, device, plan):
+    gpu = device.type == "cuda"
     x, y = batch_of(B, T, device)
     headline = dict(list(rungs())[[n for n, _ in LADDER].index(HEADLINE)][2])
     if not gpu:  # no compile, no CUDA graphs, fp32: a smoke run
@@ -218,23 +263,28 @@ def run_nanogpt(path, config, B, T, device, args):
     benches, variants = {}, {}
 
     def make(name, s=None):
-        bench = benches[name] = build(config, s, device) if s else build_nanogpt(module, config, device)
         if s is None:
-            return partial(nanogpt_step, bench, x, y)
-        return lambda: train_step(bench["runner"], bench["optimizer"], x, y, bench["dtype"], grad_clip=1.0)
+            benches[name] = build_nanogpt(module, config, device)
+            return partial(nanogpt_step, benches[name], x, y)
+        benches[name] = build(config, s, device)
+        return partial(headline_step, benches[name], x, y)
+    note = "compiling..." if gpu else "first step"
     for name, s in [("nanoGPT model.py", None), *ours.items()]:
-        note = f"  {name}: " + ("compiling..." if gpu else "first step")
-        variants[name] = lazily(partial(make, name, s), device, note=note)
-    print(f"timing nanoGPT's model.py and ours together: {args.warmup} warm-up steps each, then "
-          f"{args.rounds} rounds of {args.steps} steps", file=sys.stderr, flush=True)
-    times, peaks = timed(variants, device, args)
+        variants[name] = lazily(partial(make, name, s), device, note=f"  {name}: {note}")
+    print(f"timing nanoGPT's model.py and ours together: {plan.warmup} warm-up steps each, then "
+          f"{plan.rounds} rounds of {plan.steps} steps", file=sys.stderr, flush=True)
+    times, peaks = timed(variants, device, plan)
     stats, base = summarize(times, peaks=peaks), "nanoGPT model.py"
-    rows = [[name, "OOM" if t is None else t.ms(), "-" if t is None else f"{B * T / t.median * 1e3:,.0f}",
-             "-" if name == base else speedup(times, name, base), "n/a" if t is None or t.peak is None else gib(t.peak)]
-            for name, t in stats.items()]
+    rows = []
+    for name, t in stats.items():
+        if t is None:
+            rows.append([name, "OOM", "-", "-", "n/a"])
+            continue
+        rows.append([name, t.ms(), f"{B * T / t.median * 1e3:,.0f}", "-" if name == base else speedup(times, name, base),
+                     "n/a" if t.peak is None else gib(t.peak)])
+    how = "bf16, compiled, fused AdamW" if gpu else "fp32, eager (CPU smoke run)"
     print(f"\nnanoGPT ({os.path.abspath(path)}) against train.py's headline: {config.n_layer} layers, B={B} T={T}, "
-          f"vocab 50304, {'bf16, compiled, fused AdamW' if gpu else 'fp32, eager (CPU smoke run)'}, clip 1.0; "
-          f"{args.rounds} rounds of {args.steps} steps")
+          f"vocab 50304, {how}, clip 1.0; {plan.rounds} rounds of {plan.steps} steps")
     print_table(["variant", "ms/step, median (min-max)", "tokens/s", "tokens/s vs nanoGPT (paired)",
                  "peak alloc (GiB)"], rows)
     return f"nanogpt: the headline makes {speedup(times, 'ours, the headline', base)} nanoGPT's tokens/s"
@@ -250,70 +300,82 @@ def mode_flops(config, T, mode):
         return train
     return train / 3 + (4 * config.vocab_size * config.n_embd if config.fused_ce else 0)
 
-def sweep_cells(name, config, args, device):
+def sweep_step(benches, config, s, mode, B, T, device):
+    """A cell's step: the first cell of a vocabulary builds the model that its other cells share."""
+    if s["vocab"] not in benches:
+        benches[s["vocab"]] = build(config, s, device)
+    return partial(run_step, mode, benches[s["vocab"]], *batch_of(B, T, device))
+
+def held_by(benches, vocab):  # bytes the model of this vocabulary keeps, for gpt.lazily
+    return held_bytes(benches.get(vocab))
+
+def sweep_cells(name, config, plan, device):
     """{(vocab, batch, seq, mode): variant}, one model per vocabulary shared by its cells. Train cells warm up
-    first, so AdamW's state exists and every cell's peak counts it."""
+    first, so AdamW's state exists and every cell's peak counts it. Without warm-up every model is built here,
+    before the timer starts: the first round pays for the rest (allocation, compilation)."""
     benches, variants = {}, {}
-    for vocab, B, T, mode in product(args.vocab, args.batch, args.seq, sorted(args.modes, key="train".__ne__)):
-        s = {**FIRST_RUNG, "tf32": args.tf32, "dtype": args.dtype, "attn": args.attn, "vocab": vocab,
-             "compile": args.compile, "fused_ce": True}
-        def make(vocab=vocab, B=B, T=T, mode=mode, s=s):
-            bench = benches.get(vocab) or benches.setdefault(vocab, build(config, s, device))
-            return partial(run_step, mode, bench, *batch_of(B, T, device))
-        note = f"  {name} V={vocab} B={B} T={T} {mode}" + (" (compiling...)" if args.compile else "")
-        variants[(vocab, B, T, mode)] = lazily(make, device, held=lambda v=vocab: held_bytes(benches.get(v)), note=note)
+    for vocab, B, T, mode in product(plan.vocab, plan.batch, plan.seq, sorted(plan.modes, key="train".__ne__)):
+        s = {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": vocab,
+             "compile": plan.compile, "fused_ce": True}
+        make = partial(sweep_step, benches, config, s, mode, B, T, device)
+        if plan.warmup == 0:
+            variants[(vocab, B, T, mode)] = make()
+            continue
+        note = f"  {name} V={vocab} B={B} T={T} {mode}"
+        if plan.compile:
+            note += " (compiling...)"
+        variants[(vocab, B, T, mode)] = lazily(make, device, held=partial(held_by, benches, vocab), note=note)
     return variants
 
-def run_sweep(args, configs, device):
+def run_sweep(plan, configs, device):
     """One gpt.time_rounds per model: its cells' speed-ups are paired."""
-    if args.compile:  # one graph per shape (no dynamic-shape kernels), enough cache for all shapes
+    if plan.compile:  # one graph per shape (no dynamic-shape kernels), enough cache for all shapes
         torch._dynamo.config.automatic_dynamic_shapes = False
-        torch._dynamo.config.recompile_limit = max(8, len(args.vocab) * len(args.batch) * len(args.seq))
+        torch._dynamo.config.recompile_limit = max(8, len(plan.vocab) * len(plan.batch) * len(plan.seq))
     results = []
     for name, config in configs:
-        variants = sweep_cells(name, config, args, device)
+        variants = sweep_cells(name, config, plan, device)
         print(f"{name}: timing {len(variants)} cells together", file=sys.stderr, flush=True)
-        times, peaks = timed(variants, device, args)
+        times, peaks = timed(variants, device, plan)
         results.append((name, times, summarize(times, peaks=peaks)))
         del variants  # and the models with them
         free_memory()
     return results
 
-def print_sweep(args, results, device):
-    base = (args.vocab[0], args.batch[0], args.seq[0])
-    headers = ["model", "vocab", "batch", "seq", "mode", "ms/step, median (min-max)", "tokens/s", "MFU",
-               "peak alloc (GiB)", f"speed-up vs V={base[0]} B={base[1]} T={base[2]}"]
-    table, split = [], []
+def print_sweep(plan, results, device):
+    base = (plan.vocab[0], plan.batch[0], plan.seq[0])
+    headers = ["model", "vocab", "batch", "seq", "mode", "ms/step, median (min-max)", "ms/step, mean ± std",
+               "tokens/s", "MFU", "peak alloc (GiB)", f"speed-up vs V={base[0]} B={base[1]} T={base[2]}"]
+    table, split, done = [], [], []
     for name, times, stats in results:
         config = make_config(name)
-        for key in product(args.vocab, args.batch, args.seq, args.modes):
+        for key in product(plan.vocab, plan.batch, plan.seq, plan.modes):
             vocab, B, T, mode = key
             t, first = stats[key], (*base, mode)
             if t is None:
-                table.append([name, vocab, B, T, mode, "OOM", "OOM", "n/a", "OOM", "n/a"])
+                table.append([name, vocab, B, T, mode, "OOM", "OOM", "OOM", "n/a", "OOM", "n/a"])
                 continue
             tok_s = B * T / (t.median / 1e3)
+            done.append((tok_s, mode, f"{name} V={vocab} B={B} T={T}"))
             flops = mode_flops(config, T, mode) * tok_s  # useful work: padding is not counted
             # the speed-up is in tokens per second: per round, (B*T / ms) over the first cell's
-            table.append([name, vocab, B, T, mode, t.ms(), f"{tok_s:,.0f}", fmt_mfu(mfu(flops, device)),
+            table.append([name, vocab, B, T, mode, t.ms(), t.mean_std(), f"{tok_s:,.0f}", fmt_mfu(mfu(flops, device)),
                           "n/a" if t.peak is None else gib(t.peak),
                           "-" if key == first else speedup(times, key, first, B * T / (base[1] * base[2]))])
-            if mode == "train" and len(args.modes) == 3:
+            if mode == "train" and len(plan.modes) == 3:
                 split.append([f"{name} V={vocab} B={B} T={T}", *step_split(times, vocab, B, T)])
-    print(f"\nsweep, {args.rounds} rounds of {args.steps} steps per cell (speed-up: tokens/s over the "
-          "first cell of the same mode, paired per round)")
+    print(f"\nsweep, {plan.rounds} rounds of {plan.steps} steps per cell after {plan.warmup} warm-up steps "
+          "(speed-up: tokens/s over the first cell of the same mode, paired per round)")
     print_table(headers, table)
     if split:
         print("\nwhere a train step's time goes (paired per round: backward = forward-backward - forward, "
               "optimizer = train - forward-backward; the fused linear-CE computes the output layer's "
               "gradients in the forward)")
         print_table(["config", "forward ms", "backward ms", "optimizer ms", "train step ms"], split)
-    done = [(row[0], row[1:5], float(row[6].replace(",", ""))) for row in table if row[5] != "OOM"]
-    ooms = len(table) - len(done)
     if not done:
         return f"every one of {len(table)} cells ran out of memory"
-    name, (vocab, B, T, mode), tok_s = max(done, key=lambda d: (MODES.index(d[1][3]), d[2]))
-    return f"best {mode} throughput: {tok_s:,.0f} tokens/s ({name} V={vocab} B={B} T={T}); {ooms} OOM"
+    tok_s, mode, cell = max(done, key=lambda d: (MODES.index(d[1]), d[0]))
+    return f"best {mode} throughput: {tok_s:,.0f} tokens/s ({cell}); {len(table) - len(done)} OOM"
 
 def step_split(times, vocab, B, T):
     """Median over rounds of forward, backward and optimizer, from the three modes' times in each round."""
@@ -338,17 +400,18 @@ def gemm_variants(tokens, K, dtype, device, vocabs=GEMM_VOCABS):
         w = torch.randn(V, K, device=device, dtype=dtype)
         g = torch.randn(tokens, V, device=device, dtype=dtype)
         return lambda: (x @ w.t(), g @ w, g.t() @ x)
-    return {V: lazily(lambda V=V: make(V), device) for V in vocabs}
+    return {V: lazily(partial(make, V), device) for V in vocabs}
 
-def gemm_microbench(tokens, K, dtype, device, args):
+def gemm_microbench(tokens, K, dtype, device, plan):
     dtype = dtype or torch.float32
-    times, _ = timed(gemm_variants(tokens, K, dtype, device), device, args)
+    plan = replace(plan, warmup=max(1, plan.warmup))  # a variant's first call allocates its matrices
+    times, _ = timed(gemm_variants(tokens, K, dtype, device), device, plan)
     stats, base = summarize(times), GEMM_VOCABS[0]
     rows = [[V, V & -V, "OOM", "n/a", "n/a"] if t is None else
             [V, V & -V, t.ms(3), f"{6 * tokens * K * V / (t.median / 1e3) / 1e12:.3g}",
              "-" if V == base else speedup(times, V, base, V / base)] for V, t in stats.items()]
     print(f"\noutput-layer GEMMs alone (forward + 2 backward): {tokens} tokens x {K} x vocab, "
-          f"{str(dtype).replace('torch.', '')}, {args.rounds} rounds")
+          f"{str(dtype).replace('torch.', '')}, {plan.rounds} rounds")
     print_table(["vocab", "largest 2^k factor", "ms, median (min-max)", "TFLOP/s", f"FLOP/s vs {base} (paired)"], rows)
     free_memory()
 
@@ -475,7 +538,7 @@ def print_groups(groups, wall_ms, bench, B, T, steps, device):
     bandwidth). Idle: the step's wall time no kernel filled (the GPU waiting for the CPU)."""
     peak, cuda = gpu_peak_flops(device), device.type == "cuda"
     bandwidth = copy_bandwidth(device) if cuda else None
-    floors, busy = group_floors(bench["config"], B, T, bench["config"].fused_ce), sum(groups.values()) / 1e3 / steps
+    floors, busy = group_floors(bench.config, B, T, bench.config.fused_ce), sum(groups.values()) / 1e3 / steps
     rows = []
     for group in GROUPS:
         ms, (flops, nbytes) = groups.get(group, 0.0) / 1e3 / steps, floors[group]
@@ -502,9 +565,9 @@ def print_profile(profs, bench, B, T, steps, device, trace):
                     [[n[:80], f"{c / steps:g}", f"{us / 1e3 / steps:.3f}", f"{100 * us / total:.1f}%"]
                      for n, c, us in ks[:10]])
     print_groups(category_times(profs["train"], cuda), profs["wall_ms"], bench, B, T, steps, device)
-    if bench["config"].attn == "naive":
-        rows = naive_attention_rows(profs["forward"], bench["config"], B, T, steps, cuda)
-        print(f"\nnaive attention, forward, all {bench['config'].n_layer} layers")
+    if bench.config.attn == "naive":
+        rows = naive_attention_rows(profs["forward"], bench.config, B, T, steps, cuda)
+        print(f"\nnaive attention, forward, all {bench.config.n_layer} layers")
         if rows is None:
             print("(the record_function ranges were not recorded: compiled model)")
         else:

@@ -421,7 +421,7 @@ def running(pid):  # whether pid exists and has not ended (an ended one nobody r
         return False
 
 def test_fused_clipping_matches_clip_grad_norm():
-    """train.clip_gradients, fused AdamW (the clip inside its kernel) and plain, steps as clip_grad_norm_ does."""
+    """gpt.clip_gradients, fused AdamW (the clip inside its kernel) and plain, steps as clip_grad_norm_ does."""
     def params_after(clip, fused=True):
         torch.manual_seed(0)
         model, gen = torch.nn.Linear(16, 8), torch.Generator().manual_seed(1)
@@ -434,7 +434,7 @@ def test_fused_clipping_matches_clip_grad_norm():
         return torch.cat([p.detach().flatten() for p in model.parameters()])
     ref = params_after(lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
     for fused in (True, False):
-        ours = params_after(lambda m, o: train.clip_gradients(m, o, 1.0), fused)
+        ours = params_after(lambda m, o: gpt.clip_gradients(m, o, 1.0), fused)
         assert (ours - ref).abs().max() < 1e-6 < (params_after(lambda m, o: None) - ref).abs().max() / 100, fused
 
 def test_train_bad_input_and_checkpoints():

@@ -551,9 +551,6 @@ def check_model(run, device):
         raise ValueError(f"--fp8 needs a GPU with FP8 tensor cores (H100, H200, Ada), and {name} has none")
     if run.fp8 is not None and not run.bf16:
         raise ValueError("--fp8 needs --bf16: the layers around the FP8 matmuls run in bf16")
-    if device.type == "cpu":
-        check_host_memory(step_bytes(config, run.batch, run.seq, run.bf16),
-                          f"model {run.model} at batch {run.batch} x seq {run.seq}")
     return config
 
 def check_data(run, world):
@@ -619,6 +616,9 @@ def main(argv=None):
         run = settings(args, argv, device)
         config = check_model(run, device)
         data = check_data(run, world)
+        if device.type == "cpu":  # refused here, not ended by the OOM killer without a word
+            check_host_memory(step_bytes(config, run.batch, run.seq, run.bf16),
+                              f"model {run.model} at batch {run.batch} x seq {run.seq}")
         state, note = check_resume(run, world)
         gpt.NVTX = args.nvtx and device.type == "cuda"  # torch.cuda.nvtx needs a CUDA build
         if rank == 0:
