@@ -280,8 +280,8 @@ def run_nanogpt(path, module, config, B, T, device, plan):
         if t is None:
             rows.append([name, "OOM", "-", "-", "n/a"])
             continue
-        rows.append([name, t.ms(), f"{B * T / t.median * 1e3:,.0f}", "-" if name == base else speedup(times, name, base),
-                     "n/a" if t.peak is None else gib(t.peak)])
+        vs = "-" if name == base else speedup(times, name, base)
+        rows.append([name, t.ms(), f"{B * T / t.median * 1e3:,.0f}", vs, "n/a" if t.peak is None else gib(t.peak)])
     how = "bf16, compiled, fused AdamW" if gpu else "fp32, eager (CPU smoke run)"
     print(f"\nnanoGPT ({os.path.abspath(path)}) against train.py's headline: {config.n_layer} layers, B={B} T={T}, "
           f"vocab 50304, {how}, clip 1.0; {plan.rounds} rounds of {plan.steps} steps")
@@ -387,7 +387,82 @@ def step_split(times, vocab, B, T):
     return [f"{statistics.median(p):.2f} ({100 * statistics.median(p) / total:.0f}%)" for p in parts] + [f"{total:.2f}"]
 
 
-# --- 4. the output layer's GEMMs alone: why vocab 50304 beats 50257
+# --- 4. the warm-up table: what a model's first steps pay for, and how many warm-up steps to skip
+# Each row builds a fresh model (and optimizer) and gives its caching allocator's blocks back first, then runs
+# 0, 1 or 2 untimed steps and times the next ones one by one: the benchmarking script's question, measured.
+WARMUPS, FIRST_STEPS = (0, 1, 2), 3
+
+def step_times(step, n, device):
+    """ms of each of n steps, timed one by one: CUDA events and a sync after each (perf_counter on the CPU)."""
+    synchronize(device)  # nothing queued before the first step's start
+    times = []
+    for _ in range(n):
+        start = clock(device)
+        step()
+        times.append(elapsed_ms(start, clock(device)))  # waits for the step: the next starts on an idle GPU
+    return times
+
+def warmup_row(config, s, mode, warmup, settled, x, y, device):
+    """[step 1..FIRST_STEPS ms], [settled ms] of a fresh model after `warmup` untimed steps."""
+    free_memory()  # the allocator's cached blocks go back: this model's first step allocates afresh
+    if warmup == 0:
+        torch._dynamo.reset()  # and, compiled, compiles afresh (later rows reuse the compiled graphs)
+    bench = build(config, s, device)
+    step = partial(run_step, mode, bench, x, y)
+    for _ in range(warmup):
+        step()
+    ms = step_times(step, FIRST_STEPS + settled, device)
+    return ms[:FIRST_STEPS], ms[FIRST_STEPS:]
+
+def run_warmup_table(name, config, plan, settled, device):
+    B, T, cuda = plan.batch[0], plan.seq[0], device.type == "cuda"
+    s = {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": plan.vocab[0],
+         "fused_ce": True}
+    x, y = batch_of(B, T, device)
+    # once a process: a throwaway eager model's first steps (CUDA context, cuBLAS/cuDNN handles and plans, kernels
+    # loaded at first use), so that the rows below show what each new model pays
+    first = warmup_row(config, s, "train", 0, 0, x, y, device)[0]
+    s = {**s, "compile": plan.compile}
+    rows, ratios = [], {}
+    for mode, warmup in product(plan.modes, WARMUPS):
+        print(f"  {mode}, {warmup} warm-up steps", file=sys.stderr, flush=True)
+        head, rest = warmup_row(config, s, mode, warmup, settled, x, y, device)
+        mean, std = statistics.mean(rest), statistics.stdev(rest) if len(rest) > 1 else 0.0
+        rows.append([mode, warmup, *[f"{ms:.2f}" for ms in head], f"{mean:.2f} ± {std:.2f}", f"{head[0] / mean:.1f}x"])
+        ratios[(mode, warmup)] = head[0] / mean
+    where = torch.cuda.get_device_name(device) if cuda else "CPU"
+    print(f"\nwarm-up: {name} B={B} T={T}, {where}; each row a fresh model; steps timed one by one "
+          f"(synchronized); settled: mean ± std of the {settled} steps after step {FIRST_STEPS}")
+    print(f"process start-up (before the table): its first eager train step took {first[0]:.2f} ms, the next "
+          f"{first[1]:.2f} ms")
+    print_table(["mode", "warm-up steps", *[f"step {i + 1} (ms)" for i in range(FIRST_STEPS)],
+                 "settled (ms), mean ± std", "step 1 / settled"], rows)
+    print(first_steps_pay_for(cuda, plan.compile))
+    return "warm-up table: step 1 without warm-up takes " + ", ".join(
+        f"{ratios[(m, 0)]:.1f}x ({m})" for m in plan.modes) + " a settled step; " + needed_warmup(ratios, plan.modes)
+
+def first_steps_pay_for(cuda, compiled):
+    """The line under the table: what the first steps of a model, and of the process, spend time on."""
+    if not cuda:
+        return ("the first steps pay for: memory the allocator has not yet mapped and AdamW's state (created by the "
+                "first optimizer step); on a GPU also cuBLAS/cuDNN setup, kernel loading and, compiled, compilation")
+    what = ("the first steps pay for: cudaMalloc of memory the caching allocator has not yet cached, AdamW's state "
+            "(created by the first optimizer step), cuBLAS/cuDNN plan and algorithm choice for new shapes")
+    if compiled:
+        what += ("; compiled: Dynamo tracing and Inductor compiling and autotuning its kernels (step 1 of the "
+                 "first row per mode; Inductor's on-disk cache makes a repeat cheaper)")
+    return what + ("; train.py's compiled run on one GPU also captures CUDA graphs in its first steps (not "
+                   "measured here); once a process: CUDA context, library handles, kernel loading (line above)")
+
+def needed_warmup(ratios, modes):
+    """The fewest warm-up steps after which step 1 is within 10% of the settled mean, in every mode."""
+    for warmup in WARMUPS:
+        if all(ratios[(mode, warmup)] <= 1.1 for mode in modes):
+            return f"after {warmup} warm-up step(s) step 1 is within 10% of settled"
+    return f"even after {WARMUPS[-1]} warm-up steps step 1 is more than 10% above settled"
+
+
+# --- 5. the output layer's GEMMs alone: why vocab 50304 beats 50257
 # GPT-2's 50257 (odd), nearby multiples of 2..16, 50304 (= 128 * 393) and wider multiples of 64 and 128
 GEMM_VOCABS = (50257, 50258, 50260, 50264, 50272, 50280, 50288, 50296, 50304, 50368, 50432, 51200)
 
@@ -416,7 +491,7 @@ def gemm_microbench(tokens, K, dtype, device, plan):
     free_memory()
 
 
-# --- 5. --profile: top kernels, time by category, naive attention's softmax vs matmuls
+# --- 6. --profile: top kernels, time by category, naive attention's softmax vs matmuls
 NAIVE_RANGES = ("attention scores", "softmax", "final matmul")  # record_function names in gpt.py
 
 def kernel_times(prof, cuda):
@@ -462,15 +537,19 @@ def category_times(prof, cuda):
         parent, in_optimizer = e, False
         while parent is not None and not in_optimizer:
             in_optimizer, parent = parent.name.startswith("Optimizer.step"), parent.cpu_parent
-        work = [(k.name, k.duration) for k in e.kernels] if cuda else \
-            [(e.name, e.self_cpu_time_total)] if e.name.startswith("aten::") else []
+        if cuda:
+            work = [(k.name, k.duration) for k in e.kernels]
+        else:  # an aten op's own time; the ranges around ops would count it twice
+            work = [(e.name, e.self_cpu_time_total)] if e.name.startswith("aten::") else []
         for name, us in work:
             key = "optimizer" if in_optimizer else category(name)
             sums[key] = sums.get(key, 0.0) + us
     if cuda:  # kernels no CPU op launched (a CUDA graph's replay, some of Inductor's): by name
         linked = {}
         for e in prof.events():
-            for k in e.kernels if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async else []:
+            if e.device_type != torch.autograd.DeviceType.CPU or e.is_async:
+                continue
+            for k in e.kernels:
                 linked[k.name] = linked.get(k.name, 0.0) + k.duration
         for name, _, us in kernel_times(prof, cuda):
             if us - linked.get(name, 0.0) > 0:
@@ -542,7 +621,9 @@ def print_groups(groups, wall_ms, bench, B, T, steps, device):
     rows = []
     for group in GROUPS:
         ms, (flops, nbytes) = groups.get(group, 0.0) / 1e3 / steps, floors[group]
-        floor = (flops / peak if flops else nbytes / bandwidth) * 1e3 if peak and bandwidth else None
+        floor = None  # ms at the limit
+        if peak and bandwidth:
+            floor = (flops / peak if flops else nbytes / bandwidth) * 1e3
         limit = f"{flops / 1e9:,.0f} GFLOP at the bf16 peak" if flops else f"{nbytes / 1e9:,.2f} GB at copy speed"
         rows.append([group, f"{ms:.2f}", f"{100 * ms / wall_ms:.1f}%", limit, "n/a" if floor is None else
                      f"{floor:.2f}", "n/a" if floor is None or not ms else f"{ms / floor:.1f}x"])
@@ -577,87 +658,34 @@ def print_profile(profs, bench, B, T, steps, device, trace):
         print(f"\nwrote the train-step trace to {trace} (open it in ui.perfetto.dev or chrome://tracing)")
 
 
-# --- 6. command line
-def parse_ints(text, flag, low, high=None):
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        fail(f"{flag} takes integers separated by commas, got '{text}'")
-    if bad := [v for v in values if v < low or (high is not None and v > high)]:
-        fail(f"{flag} must be at least {low}{'' if high is None else f' and at most {high}'}, got {bad[0]}")
-    return values
-
+# --- 7. command line
 def starts_with(magic):
     def ours(path):
         with open(path, "rb") as f:
             return f.read(64).lstrip().startswith(magic)
     return ours
 
-def check_args(args, device):
-    """Defaults (GPU: the headline sizes; CPU: seconds), and a refusal before any model is built."""
-    cpu = device.type != "cuda"
-    if args.model is None:
-        args.model = "tiny" if cpu else "gpt2" if args.ladder or args.nanogpt else "small"
-    try:
-        configs = [(name, make_config(name)) for name in (n.strip() for n in args.model.split(","))]
-        args.dtype = amp_dtype(args.bf16, args.fp16)
-        if args.trace:
-            check_output_path(args.trace, "--trace", ours=starts_with(b"{"))
-        if args.plot:
-            check_output_path(args.plot, "--plot", ours=starts_with(b"\x89PNG\r\n\x1a\n"))
-        plt = plot_to(args.plot) if args.plot else None  # matplotlib, imported only for --plot
-    except ValueError as e:
-        fail(str(e))
-    if args.fp16 and cpu:
-        fail("--fp16 needs a CUDA GPU (its GradScaler); use --bf16 on the CPU")
-    if cpu and args.attn in GPU_ONLY_ATTENTION:
-        fail(f"--attn {args.attn} needs a CUDA GPU")
-    if args.ladder and (len(configs) > 1 or "," in (args.batch or "") + (args.seq or "")):
-        fail("--ladder takes one --model, one --batch and one --seq")
-    if args.ladder and (args.profile or args.trace or args.mode or args.compile or args.bf16 or args.fp16
-                        or args.tf32 or args.vocab or args.attn != "sdpa"):
-        fail("--ladder sets precision, attention, vocab and compile itself, and cannot be profiled; drop those flags")
-    if args.plot and not args.ladder:
-        fail("--plot draws the ladder; add --ladder")
-    if args.nanogpt and (args.ladder or args.profile or args.trace or args.mode or args.compile or args.bf16
-                         or args.fp16 or args.tf32 or args.vocab or args.attn != "sdpa" or len(configs) > 1
-                         or "," in (args.batch or "") + (args.seq or "")):
-        fail("--nanogpt compares one --model, --batch and --seq at train.py's headline settings; drop the other flags")
-    args.nanogpt_module = load_nanogpt(args.nanogpt) if args.nanogpt else None
-    block = min(c.block_size for _, c in configs)
-    headline = args.ladder or args.nanogpt
-    args.batch = parse_ints(args.batch or ("2" if cpu else "16" if headline else "8"), "--batch", 1)
-    args.seq = parse_ints(args.seq or str(min(block, 64 if cpu else 1024 if headline else 512)), "--seq", 1, block)
-    args.vocab = parse_ints(args.vocab or "50257", "--vocab", 50257, 1 << 20)
-    args.modes = MODES if args.mode in (None, "all") else (args.mode,)
-    for flag, value, low in (("--rounds", args.rounds, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 1)):
-        if value is not None and value < low:
-            fail(f"{flag} must be at least {low}, got {value}" + (" (the first step builds and compiles)"
-                                                                   if flag == "--warmup" else ""))
-    args.rounds = args.rounds or (3 if cpu else 30 if args.nanogpt else 20 if args.ladder else 10)
-    args.steps = args.steps or (1 if cpu else 2 if args.ladder else 3)
-    args.warmup = args.warmup or (1 if cpu else 3)
-    if cpu:  # the largest configuration as the ladder's first rung runs it: fp32, all the logits
-        B, T = max(args.batch), max(args.seq)
-        check_host_memory(max(step_bytes(replace(c, vocab_size=max(args.vocab), fused_ce=False), B, T, False)
-                              for _, c in configs), f"batch {B} x seq {T}")
-    return configs, plt
-
-def main(argv=None):
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ladder", action="store_true", help="the GPT-2 speed ladder, every rung in the same rounds")
     p.add_argument("--plot", help="with --ladder: draw ms per rung into this PNG (needs matplotlib)")
     p.add_argument("--nanogpt", metavar="PATH", help="time nanoGPT's model.py (a checkout of karpathy/nanoGPT) "
                    "against train.py's headline, in the same rounds (default 30 rounds of 3 steps)")
+    p.add_argument("--warmup-table", action="store_true", help="step 1, 2, 3 and the settled step (mean ± std of "
+                   "--steps more) after 0, 1 and 2 warm-up steps, each step timed alone; a fresh model each row")
     p.add_argument("--model", help=f"comma list of {', '.join(PRESETS)} (default small; ladder gpt2; CPU tiny)")
-    p.add_argument("--batch", help="comma list (default 8; ladder 16; CPU 2)")
-    p.add_argument("--seq", help="comma list of context lengths (default 512; ladder 1024; CPU 64)")
-    p.add_argument("--vocab", help="comma list of vocabulary sizes (default 50257); 2+ add the output-GEMM benchmark")
-    p.add_argument("--mode", choices=(*MODES, "all"), help="what one step does (default all)")
-    p.add_argument("--rounds", type=int, help="timed rounds (default 10; ladder 20; CPU 3)")
-    p.add_argument("--steps", type=int, help="steps per variant per round (default 3; ladder 2; CPU 1)")
-    p.add_argument("--warmup", type=int, help="untimed steps per variant first, at least 1 (default 3; CPU 1)")
+    p.add_argument("--batch", type=int_list(1), help="comma list (default 8; ladder 16; CPU 2)")
+    p.add_argument("--seq", type=int_list(1), help="comma list of context lengths (default 512; ladder 1024; CPU 64)")
+    p.add_argument("--vocab", type=int_list(GPT2_VOCAB, 1 << 20), help="comma list of vocabulary sizes (default "
+                   "50257); 2+ add the output-GEMM benchmark")
+    p.add_argument("--mode", choices=(*MODES, "all"), help="what one step does: the forward (autograd on), forward "
+                   "and backward, or the train step with AdamW (default all)")
+    p.add_argument("--rounds", type=int_in(1), help="timed rounds (default 10; ladder 20; CPU 3)")
+    p.add_argument("--steps", type=int_in(1), help="steps per variant per round (default 3; ladder 2; CPU 1); "
+                   "--warmup-table: settled steps (default 20; CPU 5)")
+    p.add_argument("--warmup", type=int_in(0), help="untimed steps per variant first (default 3; CPU 1); 0: the "
+                   "first round pays for allocation and compilation, peaks n/a")
     p.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler")
@@ -666,48 +694,150 @@ def main(argv=None):
     p.add_argument("--attn", default="sdpa", choices=ATTENTION)
     p.add_argument("--profile", action="store_true", help="torch.profiler view of the first configuration")
     p.add_argument("--trace", help="write the profiled train steps as a Chrome/Perfetto trace (implies --profile)")
+    p.add_argument("--nvtx", action="store_true", help="NVTX ranges (forward, backward, optimizer; naive attention's "
+                   "stages) for nsys profile --trace=cuda,nvtx; CUDA only, ignored on the CPU")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if present)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+def check_combinations(args, n_models, cpu):
+    """Flags that do not go together, refused before any model is built."""
+    single = n_models == 1 and len(args.batch or [1]) == 1 and len(args.seq or [1]) == 1
+    tuned = (args.profile or args.trace or args.mode or args.compile or args.bf16 or args.fp16 or args.tf32
+             or args.vocab or args.attn != "sdpa")
+    if args.fp16 and cpu:
+        fail("--fp16 needs a CUDA GPU (its GradScaler); use --bf16 on the CPU")
+    if cpu and args.attn in GPU_ONLY_ATTENTION:
+        fail(f"--attn {args.attn} needs a CUDA GPU")
+    if args.ladder and not single:
+        fail("--ladder takes one --model, one --batch and one --seq")
+    if args.ladder and tuned:
+        fail("--ladder sets precision, attention, vocab and compile itself, and cannot be profiled; drop those flags")
+    if args.plot and not args.ladder:
+        fail("--plot draws the ladder; add --ladder")
+    if args.nanogpt and (args.ladder or tuned or not single):
+        fail("--nanogpt compares one --model, --batch and --seq at train.py's headline settings; drop the other flags")
+    if (args.ladder or args.nanogpt) and args.warmup == 0:
+        fail("--ladder and --nanogpt build (and compile) each variant in its first warm-up step: --warmup 1 or more")
+    if args.warmup_table and (args.ladder or args.nanogpt or args.profile or args.trace or not single
+                              or len(args.vocab or [1]) > 1):
+        fail("--warmup-table times one --model, --batch, --seq and --vocab; drop --ladder, --nanogpt and --profile")
+    if args.warmup_table and (args.warmup is not None or args.rounds is not None):
+        fail("--warmup-table times 0, 1 and 2 warm-up steps itself, a step at a time; drop --warmup and --rounds")
+
+def settings(args, device):
+    """([(name, config)], Plan): the flags with this device's defaults (GPU: the headline sizes; CPU: seconds)."""
+    cpu = device.type != "cuda"
+    gpu_model, gpu_batch, gpu_seq, gpu_rounds, gpu_steps = "small", 8, 512, 10, 3
+    if args.ladder:
+        gpu_model, gpu_batch, gpu_seq, gpu_rounds, gpu_steps = "gpt2", 16, 1024, 20, 2
+    if args.nanogpt:
+        gpu_model, gpu_batch, gpu_seq, gpu_rounds = "gpt2", 16, 1024, 30
+    names = [name.strip() for name in (args.model or on_device(device, cpu="tiny", gpu=gpu_model)).split(",")]
+    try:
+        configs = [(name, make_config(name)) for name in names]
+        dtype = amp_dtype(args.bf16, args.fp16)
+    except ValueError as e:
+        fail(str(e))
+    check_combinations(args, len(names), cpu)
+    block = min(c.block_size for _, c in configs)
+    seq = args.seq or [min(block, on_device(device, cpu=64, gpu=gpu_seq))]
+    if max(seq) > block:
+        fail(f"--seq must be at most {block}, the block size of {', '.join(names)}, got {max(seq)}")
+    steps = args.steps or on_device(device, cpu=1, gpu=gpu_steps)
+    if args.warmup_table:
+        steps = args.steps or on_device(device, cpu=5, gpu=20)  # the settled steps
+    warmup = args.warmup
+    if warmup is None:
+        warmup = on_device(device, cpu=1, gpu=3)
+    modes = (args.mode,)
+    if args.mode in (None, "all"):
+        modes = MODES
+    plan = Plan(batch=args.batch or [on_device(device, cpu=2, gpu=gpu_batch)], seq=seq,
+                vocab=args.vocab or [GPT2_VOCAB], modes=modes, rounds=args.rounds or on_device(device, 3, gpu_rounds),
+                steps=steps, warmup=warmup, dtype=dtype, tf32=args.tf32, attn=args.attn, compile=args.compile)
+    if cpu:  # the largest configuration as the ladder's first rung runs it: fp32, all the logits
+        B, T = max(plan.batch), max(plan.seq)
+        check_host_memory(max(step_bytes(replace(c, vocab_size=max(plan.vocab), fused_ce=False), B, T, False)
+                              for _, c in configs), f"batch {B} x seq {T}")
+    return configs, plan
+
+def device_line(device, nvtx):
+    if device.type != "cuda":
+        line = (f"device: CPU (no CUDA GPU), torch {torch.__version__}: small sizes that finish in seconds; CPU "
+                "numbers show the method, not GPU performance, and MFU/memory are n/a")
+        if nvtx:
+            line += "; --nvtx ignored (NVTX ranges need CUDA)"
+        return line
+    peak = gpu_peak_flops(device)
+    peak_text = "unknown (MFU n/a)"
+    if peak is not None:
+        peak_text = f"{peak / 1e12:.0f} TFLOP/s"
+    return f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16 peak {peak_text}"
+
+def run_profile(name, config, plan, device, trace):
+    s = {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": plan.vocab[0],
+         "compile": plan.compile, "fused_ce": True}
+    bench = build(config, s, device)
+    B, T = plan.batch[0], plan.seq[0]
+    what = "CPU time of each op (no GPU: ops, not kernels)"
+    if device.type == "cuda":
+        what = "GPU kernel time"
+    print(f"\nprofile of {name} V={s['vocab']} B={B} T={T}, {plan.steps} steps each: {what}")
+    profs = profile_steps(bench, B, T, device, plan.warmup, plan.steps)
+    print_profile(profs, bench, B, T, plan.steps, device, trace)
+
+def main(argv=None):
+    args = parse_args(argv)
     try:
         device = resolve_device(args.device)
     except ValueError as e:
         fail(str(e))
-    configs, plt = check_args(args, device)
-    peak = gpu_peak_flops(device)
-    print(f"device: CPU (no CUDA GPU), torch {torch.__version__}: small sizes that finish in seconds; CPU numbers "
-          "show the method, not GPU performance, and MFU/memory are n/a" if device.type != "cuda" else
-          f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16 peak "
-          f"{'unknown (MFU n/a)' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
+    configs, plan = settings(args, device)
+    plt = None
+    try:
+        if args.trace:
+            check_output_path(args.trace, "--trace", ours=starts_with(b"{"))
+        if args.plot:
+            check_output_path(args.plot, "--plot", ours=starts_with(b"\x89PNG\r\n\x1a\n"))
+            plt = plot_to(args.plot)  # matplotlib, imported only for --plot
+    except ValueError as e:
+        fail(str(e))
+    module = None
+    if args.nanogpt:
+        module = load_nanogpt(args.nanogpt)
+    gpt.NVTX = args.nvtx and device.type == "cuda"  # torch.cuda.nvtx needs a CUDA build
+    print(device_line(device, args.nvtx))
+    (name, config), B, T = configs[0], plan.batch[0], plan.seq[0]
     what = "the ladder"
     try:
         if args.nanogpt:
             what = "the nanoGPT comparison"
-            print("\n" + run_nanogpt(args.nanogpt, configs[0][1], args.batch[0], args.seq[0], device, args))
+            print("\n" + run_nanogpt(args.nanogpt, module, config, B, T, device, plan))
             return
         if args.ladder:
-            print("\n" + run_ladder(configs[0][1], args.batch[0], args.seq[0], device, args, plt))
+            print("\n" + run_ladder(config, B, T, device, plan, args.plot, plt))
+            return
+        if args.warmup_table:
+            what = "the warm-up table"
+            print("\n" + run_warmup_table(name, config, plan, plan.steps, device))
             return
         what = "the sweep"
-        summary = print_sweep(args, run_sweep(args, configs, device), device)
-        if len(args.vocab) > 1:
+        summary = print_sweep(plan, run_sweep(plan, configs, device), device)
+        if len(plan.vocab) > 1:
             what = "the output-GEMM benchmark"
-            set_tf32(args.tf32)
-            gemm_microbench(args.batch[0] * args.seq[0], configs[0][1].n_embd, args.dtype, device, args)
+            set_tf32(plan.tf32)
+            gemm_microbench(B * T, config.n_embd, plan.dtype, device, plan)
         if args.profile or args.trace:
             what = "the profiled configuration"
-            s = {**FIRST_RUNG, "tf32": args.tf32, "dtype": args.dtype, "attn": args.attn, "vocab": args.vocab[0],
-                 "compile": args.compile, "fused_ce": True}
-            bench = build(configs[0][1], s, device)
-            B, T = args.batch[0], args.seq[0]
-            print(f"\nprofile of {configs[0][0]} V={s['vocab']} B={B} T={T}, {args.steps} steps each: "
-                  + ("GPU kernel time" if device.type == "cuda" else "CPU time of each op (no GPU: ops, not kernels)"))
-            print_profile(profile_steps(bench, B, T, device, args.warmup, args.steps), bench, B, T, args.steps,
-                          device, args.trace)
+            run_profile(name, config, plan, device, args.trace)
         print("\n" + summary)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_oom(e):
             raise
-        fail(f"out of {'GPU' if device.type == 'cuda' else 'host'} memory in {what}; lower --batch or --seq")
+        where = "host"
+        if device.type == "cuda":
+            where = "GPU"
+        fail(f"out of {where} memory in {what}; lower --batch or --seq")
 
 if __name__ == "__main__":
     run_main(main)  # Ctrl-C / SIGTERM: one line, exit 130 / 143
