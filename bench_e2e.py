@@ -3,13 +3,15 @@
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
 train.py's headline, then FP8 forced onto every block Linear, all rungs in the same rounds of gpt.py's timer (paired
 ratios). --nanogpt times nanoGPT's model.py against the headline the same way. The sweep splits a step into forward,
-backward and optimizer by model, batch, context and vocabulary; --profile groups the step's kernels and sets each
-group against its limit (FLOPs at the tensor-core peak, bytes at the copy bandwidth).
+backward and optimizer by model, batch, context and vocabulary; --warmup-table shows what the first steps pay for;
+--profile groups the step's kernels and sets each group against its limit; --nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
     python bench_e2e.py --nanogpt ../nanoGPT
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
+    python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --vocab 50304 --bf16 --compile --mode train --profile
+    nsys profile --trace=cuda,nvtx -o e2e python bench_e2e.py --nvtx --attn naive --batch 4 --rounds 2 --steps 1
 """
 
 import argparse

@@ -361,7 +361,7 @@ def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, m
                     scaler.scale(loss).backward()  # fp16: scale so small gradients survive
             mark("backward")
         total = loss.detach() if total is None else total + loss.detach()
-    with nvtx_range("optimizer"):
+    with nvtx_range("optimizer step"):
         if scaler is not None:
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         norm = clip_gradients(model, optimizer, grad_clip) if grad_clip or return_norm else None

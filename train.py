@@ -5,7 +5,8 @@ Each flag is a speed-up the other scripts measure: --tf32, --bf16 / --fp16, --at
 layer fused with the loss (--no-fused-ce turns it off). The loop never makes the GPU wait: a step's loss is
 read back while the GPU runs the next. Several GPUs: torchrun, DDP or --fsdp (FSDP2: weights, gradients and
 optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C saves
---ckpt and prints how to resume. Without CUDA the same command trains `tiny` on a short context.
+--ckpt and prints how to resume. --nvtx names each step and its phases for Nsight Systems (nsys profile --trace=
+cuda,nvtx). Without CUDA the same command trains `tiny` on a short context.
 
     python train.py --vocab 50304 --bf16 --compile                 # the headline run
     python train.py --vocab 50304 --bf16 --compile --fp8 0         # FP8 in every block (--fp8: >= 2048 wide)
