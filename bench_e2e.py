@@ -755,8 +755,9 @@ def settings(args, device):
     if args.mode in (None, "all"):
         modes = MODES
     plan = Plan(batch=args.batch or [on_device(device, cpu=2, gpu=gpu_batch)], seq=seq,
-                vocab=args.vocab or [GPT2_VOCAB], modes=modes, rounds=args.rounds or on_device(device, 3, gpu_rounds),
-                steps=steps, warmup=warmup, dtype=dtype, tf32=args.tf32, attn=args.attn, compile=args.compile)
+                vocab=args.vocab or [GPT2_VOCAB], modes=modes,
+                rounds=args.rounds or on_device(device, cpu=3, gpu=gpu_rounds), steps=steps, warmup=warmup,
+                dtype=dtype, tf32=args.tf32, attn=args.attn, compile=args.compile)
     if cpu:  # the largest configuration as the ladder's first rung runs it: fp32, all the logits
         B, T = max(plan.batch), max(plan.seq)
         check_host_memory(max(step_bytes(replace(c, vocab_size=max(plan.vocab), fused_ce=False), B, T, False)
