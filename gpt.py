@@ -339,7 +339,7 @@ def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, m
     micro-batches whose gradients add up (each loss divided by their number: the step sees their mean). Keywords:
     lr set on every parameter group first (a schedule's value); no_sync (DDP's model.no_sync) holds back the
     gradient all-reduce on all but the last micro-batch; return_norm: (loss, global grad norm), the norm also
-    without clipping. mark(phase) after each phase; NVTX ranges forward, backward, optimizer when gpt.NVTX is on."""
+    without clipping. mark(phase) after each phase; NVTX ranges (forward, backward, optimizer step) if gpt.NVTX."""
     mark = mark or no_mark
     batches = list(zip(x, y)) if isinstance(x, (list, tuple)) else [(x, y)]
     if lr is not None:
@@ -352,7 +352,7 @@ def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, m
             with nvtx_range("forward"), autocast(xb.device, dtype):
                 _, loss = model(xb, yb)
             mark("forward")
-            if len(batches) > 1:
+            if len(batches) > 1:  # the step's gradient: the mean of the micro-batches'
                 loss = loss / len(batches)
             with nvtx_range("backward"):
                 if scaler is None:
