@@ -227,9 +227,11 @@ def load_nanogpt(path):
     try:
         with contextlib.redirect_stdout(sys.stderr):
             spec.loader.exec_module(module)
-        module.GPT, module.GPTConfig  # noqa: B018
     except Exception as e:
         fail(f"--nanogpt {file}: not nanoGPT's model.py ({type(e).__name__}: {e})")
+    for name in ("GPT", "GPTConfig"):
+        if not hasattr(module, name):
+            fail(f"--nanogpt {file}: not nanoGPT's model.py (it defines no {name})")
     return module
 
 def build_nanogpt(module, config, device):

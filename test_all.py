@@ -748,9 +748,15 @@ def test_bench_e2e_nanogpt_cpu():
         assert list(rows) == ["nanoGPT model.py", "ours, plain loss (--no-fused-ce)", "ours, the headline"], out
         assert all(rows[n].count("x (") == 1 for n in list(rows)[1:]) and "x (" not in rows["nanoGPT model.py"], out
         assert out.strip().splitlines()[-1].startswith("nanogpt: the headline makes "), out
+        other = os.path.join(tmp, "other.py")
+        open(other, "w").write("x = 1\n")
         os.remove(os.path.join(tmp, "model.py"))
-        check_bad_inputs("bench_e2e.py", {("--nanogpt", tmp): "no model.py there",
-                                          ("--nanogpt", HERE, "--ladder"): "--nanogpt compares one"})
+        check_bad_inputs("bench_e2e.py", [
+            (["--nanogpt", tmp], "no model.py there"),
+            (["--nanogpt", other], "it defines no GPT"),
+            (["--nanogpt", HERE, "--ladder"], "--nanogpt compares one"),
+            (["--nanogpt", HERE, "--warmup", "0"], "--warmup 1 or more"),
+        ])
 
 @gpu
 def test_bench_e2e_gpu_ladder_peaks_oom():
