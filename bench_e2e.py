@@ -698,8 +698,8 @@ def parse_args(argv):
     p.add_argument("--attn", default="sdpa", choices=ATTENTION)
     p.add_argument("--profile", action="store_true", help="torch.profiler view of the first configuration")
     p.add_argument("--trace", help="write the profiled train steps as a Chrome/Perfetto trace (implies --profile)")
-    p.add_argument("--nvtx", action="store_true", help="NVTX ranges (forward, backward, optimizer; naive attention's "
-                   "stages) for nsys profile --trace=cuda,nvtx; CUDA only, ignored on the CPU")
+    p.add_argument("--nvtx", action="store_true", help="NVTX ranges (forward, backward, optimizer step; naive "
+                   "attention's stages) for nsys profile --trace=cuda,nvtx; CUDA only, ignored on the CPU")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if present)")
     return p.parse_args(argv)
 

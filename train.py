@@ -452,7 +452,7 @@ def parse_args(argv):
     p.add_argument("--ckpt", help="checkpoint path, written at every evaluation, at the end and on Ctrl-C")
     p.add_argument("--resume", action="store_true", help="continue from --ckpt")
     p.add_argument("--overwrite", action="store_true", help="start over, replacing the checkpoint at --ckpt")
-    p.add_argument("--nvtx", action="store_true", help="NVTX ranges (step, forward, backward, optimizer; naive "
+    p.add_argument("--nvtx", action="store_true", help="NVTX ranges (step, forward, backward, optimizer step; naive "
                    "attention's stages) for nsys profile --trace=cuda,nvtx; CUDA only, ignored on the CPU")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if present)")
     p.add_argument("--seed", type=int, default=1337)
