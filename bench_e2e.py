@@ -3,13 +3,15 @@
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
 train.py's headline, then FP8 forced onto every block Linear, all rungs in the same rounds of gpt.py's timer (paired
 ratios). --nanogpt times nanoGPT's model.py against the headline the same way. The sweep splits a step into forward,
-backward and optimizer by model, batch, context and vocabulary; --profile groups the step's kernels and sets each
-group against its limit (FLOPs at the tensor-core peak, bytes at the copy bandwidth).
+backward and optimizer by model, batch, context and vocabulary; --warmup-table shows what the first steps pay for;
+--profile groups the step's kernels and sets each group against its limit; --nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
     python bench_e2e.py --nanogpt ../nanoGPT
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
+    python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --vocab 50304 --bf16 --compile --mode train --profile
+    nsys profile --trace=cuda,nvtx -o e2e python bench_e2e.py --nvtx --attn naive --batch 4 --rounds 2 --steps 1
 """
 
 import argparse
@@ -17,17 +19,18 @@ import contextlib
 import os
 import statistics
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from itertools import product
 
 import torch
 
-from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPU_ONLY_ATTENTION, PRESETS, amp_dtype, autocast, check_host_memory,
-                 check_output_path, clock, compile_model, configure_optimizer, elapsed_ms, fail, flops_per_token,
-                 fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, is_oom, lazily, make_config, mfu, plot_to,
-                 print_table, resolve_device, run_main, set_tf32, step_bytes, summarize, synchronize, time_rounds,
-                 train_step, use_fp8)
+import gpt  # gpt.NVTX: the switch --nvtx sets
+from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, PRESETS, GPTConfig, amp_dtype, autocast,
+                 check_host_memory, check_output_path, clock, compile_model, configure_optimizer, elapsed_ms, fail,
+                 flops_per_token, fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, int_in, int_list, is_oom,
+                 lazily, make_config, mfu, nvtx_range, on_device, plot_to, print_table, resolve_device, run_main,
+                 set_tf32, step_bytes, summarize, synchronize, time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
 LADDER = (("fp32, naive attention, vocab 50257", {}),
@@ -55,6 +58,32 @@ def skip_reason(change, s, device):
     if s["fp8"] and not fp8_supported(device):
         return "skipped: needs FP8 tensor cores (H100/H200)"
 
+@dataclass
+class Bench:
+    """One built variant: the model, what calls it (the model or its compiled wrapper), its optimizer, precision."""
+    model: torch.nn.Module
+    runner: object
+    optimizer: torch.optim.Optimizer
+    dtype: torch.dtype = None
+    tf32: bool = False
+    scaler: torch.amp.GradScaler = None
+    config: GPTConfig = None
+
+@dataclass(frozen=True)
+class Plan:
+    """What the sweep and the timer run, from the flags with this device's defaults (made once, in settings)."""
+    batch: list
+    seq: list
+    vocab: list
+    modes: tuple  # of MODES
+    rounds: int = 3
+    steps: int = 1
+    warmup: int = 1
+    dtype: torch.dtype = None
+    tf32: bool = False
+    attn: str = "sdpa"
+    compile: bool = False
+
 def build(config, s, device):
     config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"])
     torch.manual_seed(0)
@@ -63,21 +92,25 @@ def build(config, s, device):
     if s["fp8"]:  # forced: by default use_fp8 converts only Linears >= FP8_MIN_WIDTH wide, none of gpt2's
         use_fp8(model, min_width=0)
     runner = compile_model(model, cuda_graphs=s["graphs"]) if s["compile"] else model
-    scaler = torch.amp.GradScaler(device.type) if s["dtype"] == torch.float16 else None
-    return {"model": model, "runner": runner, "optimizer": configure_optimizer(model, lr=1e-4),
-            "dtype": s["dtype"], "tf32": s["tf32"], "scaler": scaler, "config": config}
+    scaler = None
+    if s["dtype"] == torch.float16:
+        scaler = torch.amp.GradScaler(device.type)
+    return Bench(model, runner, configure_optimizer(model, lr=1e-4), s["dtype"], s["tf32"], scaler, config)
 
 def run_step(mode, bench, x, y):
     # The forward runs with autograd on, as in training: it keeps the activations backward needs, most of
     # a step's memory. With the fused linear-CE the output layer's backward matmuls run (and count) here.
-    set_tf32(bench["tf32"])  # a process-wide switch: each variant sets its own before queueing
-    if mode == "train":  # gpt.train_step: forward, backward, AdamW, gradients dropped
-        return train_step(bench["runner"], bench["optimizer"], x, y, bench["dtype"], bench["scaler"])
-    with autocast(x.device, bench["dtype"]):
-        _, loss = bench["runner"](x, y)
+    set_tf32(bench.tf32)  # a process-wide switch: each variant sets its own before queueing
+    if mode == "train":  # gpt.train_step: forward, backward, AdamW, gradients dropped (NVTX ranges inside)
+        return train_step(bench.runner, bench.optimizer, x, y, bench.dtype, bench.scaler)
+    with nvtx_range("forward"), autocast(x.device, bench.dtype):
+        _, loss = bench.runner(x, y)
     if mode == "forward-backward":
-        (bench["scaler"].scale(loss) if bench["scaler"] else loss).backward()
-        bench["model"].zero_grad(set_to_none=True)
+        if bench.scaler is not None:
+            loss = bench.scaler.scale(loss)
+        with nvtx_range("backward"):
+            loss.backward()
+        bench.model.zero_grad(set_to_none=True)
 
 def batch_of(B, T, device):
     return torch.randint(0, 50257, (2, B, T), generator=torch.Generator().manual_seed(1)).to(device)
@@ -85,13 +118,19 @@ def batch_of(B, T, device):
 def held_bytes(bench):  # what a built model keeps between steps: weights and AdamW's moments
     if bench is None:
         return 0
-    state = [t for s in bench["optimizer"].state.values() for t in s.values() if torch.is_tensor(t)]
-    return sum(t.numel() * t.element_size() for t in [*bench["model"].parameters(), *state])
+    state = [t for s in bench.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in [*bench.model.parameters(), *state])
 
-def timed(variants, device, args):
-    times, peaks = time_rounds(variants, device, args.rounds, args.steps, args.warmup,
-                               progress=lambda r: print(f"  round {r + 1}/{args.rounds}", file=sys.stderr, flush=True))
-    own = {n: peaks[n] - variants[n].state["others"] if peaks.get(n) is not None else None for n in peaks}
+def timed(variants, device, plan):
+    """gpt.time_rounds, a progress line a round; peaks less what the other variants held (none without warm-up)."""
+    def progress(r):
+        print(f"  round {r + 1}/{plan.rounds}", file=sys.stderr, flush=True)
+    times, peaks = time_rounds(variants, device, plan.rounds, plan.steps, plan.warmup, progress=progress)
+    own = {}
+    for name, peak in peaks.items():
+        own[name] = None
+        if peak is not None and plan.warmup > 0:
+            own[name] = peak - variants[name].state["others"]
     return times, own
 
 def speedup(times, name, base, work=1.0):
@@ -106,20 +145,25 @@ def rungs():
         settings = {**settings, **change}
         yield name, change, settings
 
-def run_ladder(config, B, T, device, args, plt=None):
+def ladder_step(config, s, x, y, device):  # a rung's train step, built at its first call (gpt.lazily)
+    return partial(run_step, "train", build(config, s, device), x, y)
+
+def run_ladder(config, B, T, device, plan, plot=None, plt=None):
     torch._dynamo.reset()  # the compiled rungs compile here, from scratch
     x, y = batch_of(B, T, device)
     variants, skipped = {}, {}
     for name, change, settings in rungs():
-        if reason := skip_reason(change, settings, device):
+        reason = skip_reason(change, settings, device)
+        if reason:
             skipped[name] = reason
             continue
-        note = f"  {name}: {'compiling...' if settings['compile'] else 'first step'}"
-        make = lambda s=settings: partial(run_step, "train", build(config, s, device), x, y)  # noqa: E731
-        variants[name] = lazily(make, device, note=note)
-    print(f"timing {len(variants)} rungs together: {args.warmup} warm-up steps each, then "
-          f"{args.rounds} rounds of {args.steps} steps", file=sys.stderr, flush=True)
-    times, peaks = timed(variants, device, args)
+        note = f"  {name}: first step"
+        if settings["compile"]:
+            note = f"  {name}: compiling..."
+        variants[name] = lazily(partial(ladder_step, config, settings, x, y, device), device, note=note)
+    print(f"timing {len(variants)} rungs together: {plan.warmup} warm-up steps each, then "
+          f"{plan.rounds} rounds of {plan.steps} steps", file=sys.stderr, flush=True)
+    times, peaks = timed(variants, device, plan)
     stats = summarize(times, peaks=peaks)
     flops = flops_per_token(config, T)  # useful work: vocabulary padding is not counted
     rows, first, prev = [], None, None
@@ -133,7 +177,7 @@ def run_ladder(config, B, T, device, args, plt=None):
                      "-" if first is None else speedup(times, name, first), fmt_mfu(mfu(flops * tok_s, device)),
                      "n/a" if t.peak is None else gib(t.peak)])
         first, prev = first or name, name
-    print(f"\nspeed ladder, train steps of {B}x{T} tokens, {args.rounds} rounds of {args.steps} steps "
+    print(f"\nspeed ladder, train steps of {B}x{T} tokens, {plan.rounds} rounds of {plan.steps} steps "
           "(speed-ups paired: median of per-round ratios, min-max)")
     print_table(["rung", "ms/step, median (min-max)", "tokens/s", "speed-up vs previous", "vs first rung",
                  "MFU", "peak alloc (GiB)"], rows)
@@ -144,7 +188,7 @@ def run_ladder(config, B, T, device, args, plt=None):
               f"(train.py --fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)")
     if plt is not None and first is not None:
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-        plot_ladder(plt, args.plot, [n for n, _ in LADDER if stats.get(n)], stats, f"train step, B={B} T={T}, {where}")
+        plot_ladder(plt, plot, [n for n, _ in LADDER if stats.get(n)], stats, f"train step, B={B} T={T}, {where}")
     if first is None:
         return "ladder: no rung ran"
     end = HEADLINE if stats.get(HEADLINE) else prev  # the summary ends on train.py's configuration
@@ -183,9 +227,11 @@ def load_nanogpt(path):
     try:
         with contextlib.redirect_stdout(sys.stderr):
             spec.loader.exec_module(module)
-        module.GPT, module.GPTConfig  # noqa: B018
     except Exception as e:
         fail(f"--nanogpt {file}: not nanoGPT's model.py ({type(e).__name__}: {e})")
+    for name in ("GPT", "GPTConfig"):
+        if not hasattr(module, name):
+            fail(f"--nanogpt {file}: not nanoGPT's model.py (it defines no {name})")
     return module
 
 def build_nanogpt(module, config, device):
@@ -196,20 +242,23 @@ def build_nanogpt(module, config, device):
     with contextlib.redirect_stdout(sys.stderr):  # it prints its parameter counts
         model = module.GPT(cfg).to(device)
         optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device.type)
-    gpu = device.type == "cuda"
-    return {"model": model, "runner": torch.compile(model) if gpu else model, "optimizer": optimizer,
-            "dtype": torch.bfloat16 if gpu else None}
+    if device.type != "cuda":  # a smoke run: eager fp32
+        return Bench(model, model, optimizer)
+    return Bench(model, torch.compile(model), optimizer, torch.bfloat16)
 
 def nanogpt_step(bench, x, y):
-    with autocast(x.device, bench["dtype"]):
-        _, loss = bench["runner"](x, y)
+    with autocast(x.device, bench.dtype):
+        _, loss = bench.runner(x, y)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(bench["model"].parameters(), 1.0)
-    bench["optimizer"].step()
-    bench["optimizer"].zero_grad(set_to_none=True)
+    torch.nn.utils.clip_grad_norm_(bench.model.parameters(), 1.0)
+    bench.optimizer.step()
+    bench.optimizer.zero_grad(set_to_none=True)
 
-def run_nanogpt(path, config, B, T, device, args):
-    module, gpu = args.nanogpt_module, device.type == "cuda"
+def headline_step(bench, x, y):  # ours, clipped at 1.0 as nanoGPT's train.py
+    return train_step(bench.runner, bench.optimizer, x, y, bench.dtype, grad_clip=1.0)
+
+def run_nanogpt(path, module, config, B, T, device, plan):
+    gpu = device.type == "cuda"
     x, y = batch_of(B, T, device)
     headline = dict(list(rungs())[[n for n, _ in LADDER].index(HEADLINE)][2])
     if not gpu:  # no compile, no CUDA graphs, fp32: a smoke run
@@ -218,23 +267,28 @@ def run_nanogpt(path, config, B, T, device, args):
     benches, variants = {}, {}
 
     def make(name, s=None):
-        bench = benches[name] = build(config, s, device) if s else build_nanogpt(module, config, device)
         if s is None:
-            return partial(nanogpt_step, bench, x, y)
-        return lambda: train_step(bench["runner"], bench["optimizer"], x, y, bench["dtype"], grad_clip=1.0)
+            benches[name] = build_nanogpt(module, config, device)
+            return partial(nanogpt_step, benches[name], x, y)
+        benches[name] = build(config, s, device)
+        return partial(headline_step, benches[name], x, y)
+    note = "compiling..." if gpu else "first step"
     for name, s in [("nanoGPT model.py", None), *ours.items()]:
-        note = f"  {name}: " + ("compiling..." if gpu else "first step")
-        variants[name] = lazily(partial(make, name, s), device, note=note)
-    print(f"timing nanoGPT's model.py and ours together: {args.warmup} warm-up steps each, then "
-          f"{args.rounds} rounds of {args.steps} steps", file=sys.stderr, flush=True)
-    times, peaks = timed(variants, device, args)
+        variants[name] = lazily(partial(make, name, s), device, note=f"  {name}: {note}")
+    print(f"timing nanoGPT's model.py and ours together: {plan.warmup} warm-up steps each, then "
+          f"{plan.rounds} rounds of {plan.steps} steps", file=sys.stderr, flush=True)
+    times, peaks = timed(variants, device, plan)
     stats, base = summarize(times, peaks=peaks), "nanoGPT model.py"
-    rows = [[name, "OOM" if t is None else t.ms(), "-" if t is None else f"{B * T / t.median * 1e3:,.0f}",
-             "-" if name == base else speedup(times, name, base), "n/a" if t is None or t.peak is None else gib(t.peak)]
-            for name, t in stats.items()]
+    rows = []
+    for name, t in stats.items():
+        if t is None:
+            rows.append([name, "OOM", "-", "-", "n/a"])
+            continue
+        vs = "-" if name == base else speedup(times, name, base)
+        rows.append([name, t.ms(), f"{B * T / t.median * 1e3:,.0f}", vs, "n/a" if t.peak is None else gib(t.peak)])
+    how = "bf16, compiled, fused AdamW" if gpu else "fp32, eager (CPU smoke run)"
     print(f"\nnanoGPT ({os.path.abspath(path)}) against train.py's headline: {config.n_layer} layers, B={B} T={T}, "
-          f"vocab 50304, {'bf16, compiled, fused AdamW' if gpu else 'fp32, eager (CPU smoke run)'}, clip 1.0; "
-          f"{args.rounds} rounds of {args.steps} steps")
+          f"vocab 50304, {how}, clip 1.0; {plan.rounds} rounds of {plan.steps} steps")
     print_table(["variant", "ms/step, median (min-max)", "tokens/s", "tokens/s vs nanoGPT (paired)",
                  "peak alloc (GiB)"], rows)
     return f"nanogpt: the headline makes {speedup(times, 'ours, the headline', base)} nanoGPT's tokens/s"
@@ -250,70 +304,82 @@ def mode_flops(config, T, mode):
         return train
     return train / 3 + (4 * config.vocab_size * config.n_embd if config.fused_ce else 0)
 
-def sweep_cells(name, config, args, device):
+def sweep_step(benches, config, s, mode, B, T, device):
+    """A cell's step: the first cell of a vocabulary builds the model that its other cells share."""
+    if s["vocab"] not in benches:
+        benches[s["vocab"]] = build(config, s, device)
+    return partial(run_step, mode, benches[s["vocab"]], *batch_of(B, T, device))
+
+def held_by(benches, vocab):  # bytes the model of this vocabulary keeps, for gpt.lazily
+    return held_bytes(benches.get(vocab))
+
+def sweep_cells(name, config, plan, device):
     """{(vocab, batch, seq, mode): variant}, one model per vocabulary shared by its cells. Train cells warm up
-    first, so AdamW's state exists and every cell's peak counts it."""
+    first, so AdamW's state exists and every cell's peak counts it. Without warm-up every model is built here,
+    before the timer starts: the first round pays for the rest (allocation, compilation)."""
     benches, variants = {}, {}
-    for vocab, B, T, mode in product(args.vocab, args.batch, args.seq, sorted(args.modes, key="train".__ne__)):
-        s = {**FIRST_RUNG, "tf32": args.tf32, "dtype": args.dtype, "attn": args.attn, "vocab": vocab,
-             "compile": args.compile, "fused_ce": True}
-        def make(vocab=vocab, B=B, T=T, mode=mode, s=s):
-            bench = benches.get(vocab) or benches.setdefault(vocab, build(config, s, device))
-            return partial(run_step, mode, bench, *batch_of(B, T, device))
-        note = f"  {name} V={vocab} B={B} T={T} {mode}" + (" (compiling...)" if args.compile else "")
-        variants[(vocab, B, T, mode)] = lazily(make, device, held=lambda v=vocab: held_bytes(benches.get(v)), note=note)
+    for vocab, B, T, mode in product(plan.vocab, plan.batch, plan.seq, sorted(plan.modes, key="train".__ne__)):
+        s = {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": vocab,
+             "compile": plan.compile, "fused_ce": True}
+        make = partial(sweep_step, benches, config, s, mode, B, T, device)
+        if plan.warmup == 0:
+            variants[(vocab, B, T, mode)] = make()
+            continue
+        note = f"  {name} V={vocab} B={B} T={T} {mode}"
+        if plan.compile:
+            note += " (compiling...)"
+        variants[(vocab, B, T, mode)] = lazily(make, device, held=partial(held_by, benches, vocab), note=note)
     return variants
 
-def run_sweep(args, configs, device):
+def run_sweep(plan, configs, device):
     """One gpt.time_rounds per model: its cells' speed-ups are paired."""
-    if args.compile:  # one graph per shape (no dynamic-shape kernels), enough cache for all shapes
+    if plan.compile:  # one graph per shape (no dynamic-shape kernels), enough cache for all shapes
         torch._dynamo.config.automatic_dynamic_shapes = False
-        torch._dynamo.config.recompile_limit = max(8, len(args.vocab) * len(args.batch) * len(args.seq))
+        torch._dynamo.config.recompile_limit = max(8, len(plan.vocab) * len(plan.batch) * len(plan.seq))
     results = []
     for name, config in configs:
-        variants = sweep_cells(name, config, args, device)
+        variants = sweep_cells(name, config, plan, device)
         print(f"{name}: timing {len(variants)} cells together", file=sys.stderr, flush=True)
-        times, peaks = timed(variants, device, args)
+        times, peaks = timed(variants, device, plan)
         results.append((name, times, summarize(times, peaks=peaks)))
         del variants  # and the models with them
         free_memory()
     return results
 
-def print_sweep(args, results, device):
-    base = (args.vocab[0], args.batch[0], args.seq[0])
-    headers = ["model", "vocab", "batch", "seq", "mode", "ms/step, median (min-max)", "tokens/s", "MFU",
-               "peak alloc (GiB)", f"speed-up vs V={base[0]} B={base[1]} T={base[2]}"]
-    table, split = [], []
+def print_sweep(plan, results, device):
+    base = (plan.vocab[0], plan.batch[0], plan.seq[0])
+    headers = ["model", "vocab", "batch", "seq", "mode", "ms/step, median (min-max)", "ms/step, mean ± std",
+               "tokens/s", "MFU", "peak alloc (GiB)", f"speed-up vs V={base[0]} B={base[1]} T={base[2]}"]
+    table, split, done = [], [], []
     for name, times, stats in results:
         config = make_config(name)
-        for key in product(args.vocab, args.batch, args.seq, args.modes):
+        for key in product(plan.vocab, plan.batch, plan.seq, plan.modes):
             vocab, B, T, mode = key
             t, first = stats[key], (*base, mode)
             if t is None:
-                table.append([name, vocab, B, T, mode, "OOM", "OOM", "n/a", "OOM", "n/a"])
+                table.append([name, vocab, B, T, mode, "OOM", "OOM", "OOM", "n/a", "OOM", "n/a"])
                 continue
             tok_s = B * T / (t.median / 1e3)
+            done.append((tok_s, mode, f"{name} V={vocab} B={B} T={T}"))
             flops = mode_flops(config, T, mode) * tok_s  # useful work: padding is not counted
             # the speed-up is in tokens per second: per round, (B*T / ms) over the first cell's
-            table.append([name, vocab, B, T, mode, t.ms(), f"{tok_s:,.0f}", fmt_mfu(mfu(flops, device)),
+            table.append([name, vocab, B, T, mode, t.ms(), t.mean_std(), f"{tok_s:,.0f}", fmt_mfu(mfu(flops, device)),
                           "n/a" if t.peak is None else gib(t.peak),
                           "-" if key == first else speedup(times, key, first, B * T / (base[1] * base[2]))])
-            if mode == "train" and len(args.modes) == 3:
+            if mode == "train" and len(plan.modes) == 3:
                 split.append([f"{name} V={vocab} B={B} T={T}", *step_split(times, vocab, B, T)])
-    print(f"\nsweep, {args.rounds} rounds of {args.steps} steps per cell (speed-up: tokens/s over the "
-          "first cell of the same mode, paired per round)")
+    print(f"\nsweep, {plan.rounds} rounds of {plan.steps} steps per cell after {plan.warmup} warm-up steps "
+          "(speed-up: tokens/s over the first cell of the same mode, paired per round)")
     print_table(headers, table)
     if split:
         print("\nwhere a train step's time goes (paired per round: backward = forward-backward - forward, "
               "optimizer = train - forward-backward; the fused linear-CE computes the output layer's "
               "gradients in the forward)")
         print_table(["config", "forward ms", "backward ms", "optimizer ms", "train step ms"], split)
-    done = [(row[0], row[1:5], float(row[6].replace(",", ""))) for row in table if row[5] != "OOM"]
-    ooms = len(table) - len(done)
     if not done:
         return f"every one of {len(table)} cells ran out of memory"
-    name, (vocab, B, T, mode), tok_s = max(done, key=lambda d: (MODES.index(d[1][3]), d[2]))
-    return f"best {mode} throughput: {tok_s:,.0f} tokens/s ({name} V={vocab} B={B} T={T}); {ooms} OOM"
+    tok_s, mode, cell = max(done, key=lambda d: (MODES.index(d[1]), d[0]))
+    return f"best {mode} throughput: {tok_s:,.0f} tokens/s ({cell}); {len(table) - len(done)} OOM"
 
 def step_split(times, vocab, B, T):
     """Median over rounds of forward, backward and optimizer, from the three modes' times in each round."""
@@ -325,7 +391,82 @@ def step_split(times, vocab, B, T):
     return [f"{statistics.median(p):.2f} ({100 * statistics.median(p) / total:.0f}%)" for p in parts] + [f"{total:.2f}"]
 
 
-# --- 4. the output layer's GEMMs alone: why vocab 50304 beats 50257
+# --- 4. the warm-up table: what a model's first steps pay for, and how many warm-up steps to skip
+# Each row builds a fresh model (and optimizer) and gives its caching allocator's blocks back first, then runs
+# 0, 1 or 2 untimed steps and times the next ones one by one: the benchmarking script's question, measured.
+WARMUPS, FIRST_STEPS = (0, 1, 2), 3
+
+def step_times(step, n, device):
+    """ms of each of n steps, timed one by one: CUDA events and a sync after each (perf_counter on the CPU)."""
+    synchronize(device)  # nothing queued before the first step's start
+    times = []
+    for _ in range(n):
+        start = clock(device)
+        step()
+        times.append(elapsed_ms(start, clock(device)))  # waits for the step: the next starts on an idle GPU
+    return times
+
+def warmup_row(config, s, mode, warmup, settled, x, y, device):
+    """[step 1..FIRST_STEPS ms], [settled ms] of a fresh model after `warmup` untimed steps."""
+    free_memory()  # the allocator's cached blocks go back: this model's first step allocates afresh
+    if warmup == 0:
+        torch._dynamo.reset()  # and, compiled, compiles afresh (later rows reuse the compiled graphs)
+    bench = build(config, s, device)
+    step = partial(run_step, mode, bench, x, y)
+    for _ in range(warmup):
+        step()
+    ms = step_times(step, FIRST_STEPS + settled, device)
+    return ms[:FIRST_STEPS], ms[FIRST_STEPS:]
+
+def run_warmup_table(name, config, plan, settled, device):
+    B, T, cuda = plan.batch[0], plan.seq[0], device.type == "cuda"
+    s = {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": plan.vocab[0],
+         "fused_ce": True}
+    x, y = batch_of(B, T, device)
+    # once a process: a throwaway eager model's first steps (CUDA context, cuBLAS/cuDNN handles and plans, kernels
+    # loaded at first use), so that the rows below show what each new model pays
+    first = warmup_row(config, s, "train", 0, 0, x, y, device)[0]
+    s = {**s, "compile": plan.compile}
+    rows, ratios = [], {}
+    for mode, warmup in product(plan.modes, WARMUPS):
+        print(f"  {mode}, {warmup} warm-up steps", file=sys.stderr, flush=True)
+        head, rest = warmup_row(config, s, mode, warmup, settled, x, y, device)
+        mean, std = statistics.mean(rest), statistics.stdev(rest) if len(rest) > 1 else 0.0
+        rows.append([mode, warmup, *[f"{ms:.2f}" for ms in head], f"{mean:.2f} ± {std:.2f}", f"{head[0] / mean:.1f}x"])
+        ratios[(mode, warmup)] = head[0] / mean
+    where = torch.cuda.get_device_name(device) if cuda else "CPU"
+    print(f"\nwarm-up: {name} B={B} T={T}, {where}; each row a fresh model; steps timed one by one "
+          f"(synchronized); settled: mean ± std of the {settled} steps after step {FIRST_STEPS}")
+    print(f"process start-up (before the table): its first eager train step took {first[0]:.2f} ms, the next "
+          f"{first[1]:.2f} ms")
+    print_table(["mode", "warm-up steps", *[f"step {i + 1} (ms)" for i in range(FIRST_STEPS)],
+                 "settled (ms), mean ± std", "step 1 / settled"], rows)
+    print(first_steps_pay_for(cuda, plan.compile))
+    return "warm-up table: step 1 without warm-up takes " + ", ".join(
+        f"{ratios[(m, 0)]:.1f}x ({m})" for m in plan.modes) + " a settled step; " + needed_warmup(ratios, plan.modes)
+
+def first_steps_pay_for(cuda, compiled):
+    """The line under the table: what the first steps of a model, and of the process, spend time on."""
+    if not cuda:
+        return ("the first steps pay for: memory the allocator has not yet mapped and AdamW's state (created by the "
+                "first optimizer step); on a GPU also cuBLAS/cuDNN setup, kernel loading and, compiled, compilation")
+    what = ("the first steps pay for: cudaMalloc of memory the caching allocator has not yet cached, AdamW's state "
+            "(created by the first optimizer step), cuBLAS/cuDNN plan and algorithm choice for new shapes")
+    if compiled:
+        what += ("; compiled: Dynamo tracing and Inductor compiling and autotuning its kernels (step 1 of the "
+                 "first row per mode; Inductor's on-disk cache makes a repeat cheaper)")
+    return what + ("; train.py's compiled run on one GPU also captures CUDA graphs in its first steps (not "
+                   "measured here); once a process: CUDA context, library handles, kernel loading (line above)")
+
+def needed_warmup(ratios, modes):
+    """The fewest warm-up steps after which step 1 is within 10% of the settled mean, in every mode."""
+    for warmup in WARMUPS:
+        if all(ratios[(mode, warmup)] <= 1.1 for mode in modes):
+            return f"after {warmup} warm-up step(s) step 1 is within 10% of settled"
+    return f"even after {WARMUPS[-1]} warm-up steps step 1 is more than 10% above settled"
+
+
+# --- 5. the output layer's GEMMs alone: why vocab 50304 beats 50257
 # GPT-2's 50257 (odd), nearby multiples of 2..16, 50304 (= 128 * 393) and wider multiples of 64 and 128
 GEMM_VOCABS = (50257, 50258, 50260, 50264, 50272, 50280, 50288, 50296, 50304, 50368, 50432, 51200)
 
@@ -338,22 +479,23 @@ def gemm_variants(tokens, K, dtype, device, vocabs=GEMM_VOCABS):
         w = torch.randn(V, K, device=device, dtype=dtype)
         g = torch.randn(tokens, V, device=device, dtype=dtype)
         return lambda: (x @ w.t(), g @ w, g.t() @ x)
-    return {V: lazily(lambda V=V: make(V), device) for V in vocabs}
+    return {V: lazily(partial(make, V), device) for V in vocabs}
 
-def gemm_microbench(tokens, K, dtype, device, args):
+def gemm_microbench(tokens, K, dtype, device, plan):
     dtype = dtype or torch.float32
-    times, _ = timed(gemm_variants(tokens, K, dtype, device), device, args)
+    plan = replace(plan, warmup=max(1, plan.warmup))  # a variant's first call allocates its matrices
+    times, _ = timed(gemm_variants(tokens, K, dtype, device), device, plan)
     stats, base = summarize(times), GEMM_VOCABS[0]
     rows = [[V, V & -V, "OOM", "n/a", "n/a"] if t is None else
             [V, V & -V, t.ms(3), f"{6 * tokens * K * V / (t.median / 1e3) / 1e12:.3g}",
              "-" if V == base else speedup(times, V, base, V / base)] for V, t in stats.items()]
     print(f"\noutput-layer GEMMs alone (forward + 2 backward): {tokens} tokens x {K} x vocab, "
-          f"{str(dtype).replace('torch.', '')}, {args.rounds} rounds")
+          f"{str(dtype).replace('torch.', '')}, {plan.rounds} rounds")
     print_table(["vocab", "largest 2^k factor", "ms, median (min-max)", "TFLOP/s", f"FLOP/s vs {base} (paired)"], rows)
     free_memory()
 
 
-# --- 5. --profile: top kernels, time by category, naive attention's softmax vs matmuls
+# --- 6. --profile: top kernels, time by category, naive attention's softmax vs matmuls
 NAIVE_RANGES = ("attention scores", "softmax", "final matmul")  # record_function names in gpt.py
 
 def kernel_times(prof, cuda):
@@ -399,15 +541,19 @@ def category_times(prof, cuda):
         parent, in_optimizer = e, False
         while parent is not None and not in_optimizer:
             in_optimizer, parent = parent.name.startswith("Optimizer.step"), parent.cpu_parent
-        work = [(k.name, k.duration) for k in e.kernels] if cuda else \
-            [(e.name, e.self_cpu_time_total)] if e.name.startswith("aten::") else []
+        if cuda:
+            work = [(k.name, k.duration) for k in e.kernels]
+        else:  # an aten op's own time; the ranges around ops would count it twice
+            work = [(e.name, e.self_cpu_time_total)] if e.name.startswith("aten::") else []
         for name, us in work:
             key = "optimizer" if in_optimizer else category(name)
             sums[key] = sums.get(key, 0.0) + us
     if cuda:  # kernels no CPU op launched (a CUDA graph's replay, some of Inductor's): by name
         linked = {}
         for e in prof.events():
-            for k in e.kernels if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async else []:
+            if e.device_type != torch.autograd.DeviceType.CPU or e.is_async:
+                continue
+            for k in e.kernels:
                 linked[k.name] = linked.get(k.name, 0.0) + k.duration
         for name, _, us in kernel_times(prof, cuda):
             if us - linked.get(name, 0.0) > 0:
@@ -475,11 +621,13 @@ def print_groups(groups, wall_ms, bench, B, T, steps, device):
     bandwidth). Idle: the step's wall time no kernel filled (the GPU waiting for the CPU)."""
     peak, cuda = gpu_peak_flops(device), device.type == "cuda"
     bandwidth = copy_bandwidth(device) if cuda else None
-    floors, busy = group_floors(bench["config"], B, T, bench["config"].fused_ce), sum(groups.values()) / 1e3 / steps
+    floors, busy = group_floors(bench.config, B, T, bench.config.fused_ce), sum(groups.values()) / 1e3 / steps
     rows = []
     for group in GROUPS:
         ms, (flops, nbytes) = groups.get(group, 0.0) / 1e3 / steps, floors[group]
-        floor = (flops / peak if flops else nbytes / bandwidth) * 1e3 if peak and bandwidth else None
+        floor = None  # ms at the limit
+        if peak and bandwidth:
+            floor = (flops / peak if flops else nbytes / bandwidth) * 1e3
         limit = f"{flops / 1e9:,.0f} GFLOP at the bf16 peak" if flops else f"{nbytes / 1e9:,.2f} GB at copy speed"
         rows.append([group, f"{ms:.2f}", f"{100 * ms / wall_ms:.1f}%", limit, "n/a" if floor is None else
                      f"{floor:.2f}", "n/a" if floor is None or not ms else f"{ms / floor:.1f}x"])
@@ -502,9 +650,9 @@ def print_profile(profs, bench, B, T, steps, device, trace):
                     [[n[:80], f"{c / steps:g}", f"{us / 1e3 / steps:.3f}", f"{100 * us / total:.1f}%"]
                      for n, c, us in ks[:10]])
     print_groups(category_times(profs["train"], cuda), profs["wall_ms"], bench, B, T, steps, device)
-    if bench["config"].attn == "naive":
-        rows = naive_attention_rows(profs["forward"], bench["config"], B, T, steps, cuda)
-        print(f"\nnaive attention, forward, all {bench['config'].n_layer} layers")
+    if bench.config.attn == "naive":
+        rows = naive_attention_rows(profs["forward"], bench.config, B, T, steps, cuda)
+        print(f"\nnaive attention, forward, all {bench.config.n_layer} layers")
         if rows is None:
             print("(the record_function ranges were not recorded: compiled model)")
         else:
@@ -514,87 +662,34 @@ def print_profile(profs, bench, B, T, steps, device, trace):
         print(f"\nwrote the train-step trace to {trace} (open it in ui.perfetto.dev or chrome://tracing)")
 
 
-# --- 6. command line
-def parse_ints(text, flag, low, high=None):
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        fail(f"{flag} takes integers separated by commas, got '{text}'")
-    if bad := [v for v in values if v < low or (high is not None and v > high)]:
-        fail(f"{flag} must be at least {low}{'' if high is None else f' and at most {high}'}, got {bad[0]}")
-    return values
-
+# --- 7. command line
 def starts_with(magic):
     def ours(path):
         with open(path, "rb") as f:
             return f.read(64).lstrip().startswith(magic)
     return ours
 
-def check_args(args, device):
-    """Defaults (GPU: the headline sizes; CPU: seconds), and a refusal before any model is built."""
-    cpu = device.type != "cuda"
-    if args.model is None:
-        args.model = "tiny" if cpu else "gpt2" if args.ladder or args.nanogpt else "small"
-    try:
-        configs = [(name, make_config(name)) for name in (n.strip() for n in args.model.split(","))]
-        args.dtype = amp_dtype(args.bf16, args.fp16)
-        if args.trace:
-            check_output_path(args.trace, "--trace", ours=starts_with(b"{"))
-        if args.plot:
-            check_output_path(args.plot, "--plot", ours=starts_with(b"\x89PNG\r\n\x1a\n"))
-        plt = plot_to(args.plot) if args.plot else None  # matplotlib, imported only for --plot
-    except ValueError as e:
-        fail(str(e))
-    if args.fp16 and cpu:
-        fail("--fp16 needs a CUDA GPU (its GradScaler); use --bf16 on the CPU")
-    if cpu and args.attn in GPU_ONLY_ATTENTION:
-        fail(f"--attn {args.attn} needs a CUDA GPU")
-    if args.ladder and (len(configs) > 1 or "," in (args.batch or "") + (args.seq or "")):
-        fail("--ladder takes one --model, one --batch and one --seq")
-    if args.ladder and (args.profile or args.trace or args.mode or args.compile or args.bf16 or args.fp16
-                        or args.tf32 or args.vocab or args.attn != "sdpa"):
-        fail("--ladder sets precision, attention, vocab and compile itself, and cannot be profiled; drop those flags")
-    if args.plot and not args.ladder:
-        fail("--plot draws the ladder; add --ladder")
-    if args.nanogpt and (args.ladder or args.profile or args.trace or args.mode or args.compile or args.bf16
-                         or args.fp16 or args.tf32 or args.vocab or args.attn != "sdpa" or len(configs) > 1
-                         or "," in (args.batch or "") + (args.seq or "")):
-        fail("--nanogpt compares one --model, --batch and --seq at train.py's headline settings; drop the other flags")
-    args.nanogpt_module = load_nanogpt(args.nanogpt) if args.nanogpt else None
-    block = min(c.block_size for _, c in configs)
-    headline = args.ladder or args.nanogpt
-    args.batch = parse_ints(args.batch or ("2" if cpu else "16" if headline else "8"), "--batch", 1)
-    args.seq = parse_ints(args.seq or str(min(block, 64 if cpu else 1024 if headline else 512)), "--seq", 1, block)
-    args.vocab = parse_ints(args.vocab or "50257", "--vocab", 50257, 1 << 20)
-    args.modes = MODES if args.mode in (None, "all") else (args.mode,)
-    for flag, value, low in (("--rounds", args.rounds, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 1)):
-        if value is not None and value < low:
-            fail(f"{flag} must be at least {low}, got {value}" + (" (the first step builds and compiles)"
-                                                                   if flag == "--warmup" else ""))
-    args.rounds = args.rounds or (3 if cpu else 30 if args.nanogpt else 20 if args.ladder else 10)
-    args.steps = args.steps or (1 if cpu else 2 if args.ladder else 3)
-    args.warmup = args.warmup or (1 if cpu else 3)
-    if cpu:  # the largest configuration as the ladder's first rung runs it: fp32, all the logits
-        B, T = max(args.batch), max(args.seq)
-        check_host_memory(max(step_bytes(replace(c, vocab_size=max(args.vocab), fused_ce=False), B, T, False)
-                              for _, c in configs), f"batch {B} x seq {T}")
-    return configs, plt
-
-def main(argv=None):
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ladder", action="store_true", help="the GPT-2 speed ladder, every rung in the same rounds")
     p.add_argument("--plot", help="with --ladder: draw ms per rung into this PNG (needs matplotlib)")
     p.add_argument("--nanogpt", metavar="PATH", help="time nanoGPT's model.py (a checkout of karpathy/nanoGPT) "
                    "against train.py's headline, in the same rounds (default 30 rounds of 3 steps)")
+    p.add_argument("--warmup-table", action="store_true", help="step 1, 2, 3 and the settled step (mean ± std of "
+                   "--steps more) after 0, 1 and 2 warm-up steps, each step timed alone; a fresh model each row")
     p.add_argument("--model", help=f"comma list of {', '.join(PRESETS)} (default small; ladder gpt2; CPU tiny)")
-    p.add_argument("--batch", help="comma list (default 8; ladder 16; CPU 2)")
-    p.add_argument("--seq", help="comma list of context lengths (default 512; ladder 1024; CPU 64)")
-    p.add_argument("--vocab", help="comma list of vocabulary sizes (default 50257); 2+ add the output-GEMM benchmark")
-    p.add_argument("--mode", choices=(*MODES, "all"), help="what one step does (default all)")
-    p.add_argument("--rounds", type=int, help="timed rounds (default 10; ladder 20; CPU 3)")
-    p.add_argument("--steps", type=int, help="steps per variant per round (default 3; ladder 2; CPU 1)")
-    p.add_argument("--warmup", type=int, help="untimed steps per variant first, at least 1 (default 3; CPU 1)")
+    p.add_argument("--batch", type=int_list(1), help="comma list (default 8; ladder 16; CPU 2)")
+    p.add_argument("--seq", type=int_list(1), help="comma list of context lengths (default 512; ladder 1024; CPU 64)")
+    p.add_argument("--vocab", type=int_list(GPT2_VOCAB, 1 << 20), help="comma list of vocabulary sizes (default "
+                   "50257); 2+ add the output-GEMM benchmark")
+    p.add_argument("--mode", choices=(*MODES, "all"), help="what one step does: the forward (autograd on), forward "
+                   "and backward, or the train step with AdamW (default all)")
+    p.add_argument("--rounds", type=int_in(1), help="timed rounds (default 10; ladder 20; CPU 3)")
+    p.add_argument("--steps", type=int_in(1), help="steps per variant per round (default 3; ladder 2; CPU 1); "
+                   "--warmup-table: settled steps (default 20; CPU 5)")
+    p.add_argument("--warmup", type=int_in(0), help="untimed steps per variant first (default 3; CPU 1); 0: the "
+                   "first round pays for allocation and compilation, peaks n/a")
     p.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler")
@@ -603,48 +698,151 @@ def main(argv=None):
     p.add_argument("--attn", default="sdpa", choices=ATTENTION)
     p.add_argument("--profile", action="store_true", help="torch.profiler view of the first configuration")
     p.add_argument("--trace", help="write the profiled train steps as a Chrome/Perfetto trace (implies --profile)")
+    p.add_argument("--nvtx", action="store_true", help="NVTX ranges (forward, backward, optimizer step; naive "
+                   "attention's stages) for nsys profile --trace=cuda,nvtx; CUDA only, ignored on the CPU")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if present)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+def check_combinations(args, n_models, cpu):
+    """Flags that do not go together, refused before any model is built."""
+    single = n_models == 1 and len(args.batch or [1]) == 1 and len(args.seq or [1]) == 1
+    tuned = (args.profile or args.trace or args.mode or args.compile or args.bf16 or args.fp16 or args.tf32
+             or args.vocab or args.attn != "sdpa")
+    if args.fp16 and cpu:
+        fail("--fp16 needs a CUDA GPU (its GradScaler); use --bf16 on the CPU")
+    if cpu and args.attn in GPU_ONLY_ATTENTION:
+        fail(f"--attn {args.attn} needs a CUDA GPU")
+    if args.ladder and not single:
+        fail("--ladder takes one --model, one --batch and one --seq")
+    if args.ladder and tuned:
+        fail("--ladder sets precision, attention, vocab and compile itself, and cannot be profiled; drop those flags")
+    if args.plot and not args.ladder:
+        fail("--plot draws the ladder; add --ladder")
+    if args.nanogpt and (args.ladder or tuned or not single):
+        fail("--nanogpt compares one --model, --batch and --seq at train.py's headline settings; drop the other flags")
+    if (args.ladder or args.nanogpt) and args.warmup == 0:
+        fail("--ladder and --nanogpt build (and compile) each variant in its first warm-up step: --warmup 1 or more")
+    if args.warmup_table and (args.ladder or args.nanogpt or args.profile or args.trace or not single
+                              or len(args.vocab or [1]) > 1):
+        fail("--warmup-table times one --model, --batch, --seq and --vocab; drop --ladder, --nanogpt and --profile")
+    if args.warmup_table and (args.warmup is not None or args.rounds is not None):
+        fail("--warmup-table times 0, 1 and 2 warm-up steps itself, a step at a time; drop --warmup and --rounds")
+
+def settings(args, device):
+    """([(name, config)], Plan): the flags with this device's defaults (GPU: the headline sizes; CPU: seconds)."""
+    cpu = device.type != "cuda"
+    gpu_model, gpu_batch, gpu_seq, gpu_rounds, gpu_steps = "small", 8, 512, 10, 3
+    if args.ladder:
+        gpu_model, gpu_batch, gpu_seq, gpu_rounds, gpu_steps = "gpt2", 16, 1024, 20, 2
+    if args.nanogpt:
+        gpu_model, gpu_batch, gpu_seq, gpu_rounds = "gpt2", 16, 1024, 30
+    names = [name.strip() for name in (args.model or on_device(device, cpu="tiny", gpu=gpu_model)).split(",")]
+    try:
+        configs = [(name, make_config(name)) for name in names]
+        dtype = amp_dtype(args.bf16, args.fp16)
+    except ValueError as e:
+        fail(str(e))
+    check_combinations(args, len(names), cpu)
+    block = min(c.block_size for _, c in configs)
+    seq = args.seq or [min(block, on_device(device, cpu=64, gpu=gpu_seq))]
+    if max(seq) > block:
+        fail(f"--seq must be at most {block}, the block size of {', '.join(names)}, got {max(seq)}")
+    steps = args.steps or on_device(device, cpu=1, gpu=gpu_steps)
+    if args.warmup_table:
+        steps = args.steps or on_device(device, cpu=5, gpu=20)  # the settled steps
+    warmup = args.warmup
+    if warmup is None:
+        warmup = on_device(device, cpu=1, gpu=3)
+    modes = (args.mode,)
+    if args.mode in (None, "all"):
+        modes = MODES
+    plan = Plan(batch=args.batch or [on_device(device, cpu=2, gpu=gpu_batch)], seq=seq,
+                vocab=args.vocab or [GPT2_VOCAB], modes=modes,
+                rounds=args.rounds or on_device(device, cpu=3, gpu=gpu_rounds), steps=steps, warmup=warmup,
+                dtype=dtype, tf32=args.tf32, attn=args.attn, compile=args.compile)
+    if cpu:  # the largest configuration as the ladder's first rung runs it: fp32, all the logits
+        B, T = max(plan.batch), max(plan.seq)
+        check_host_memory(max(step_bytes(replace(c, vocab_size=max(plan.vocab), fused_ce=False), B, T, False)
+                              for _, c in configs), f"batch {B} x seq {T}")
+    return configs, plan
+
+def device_line(device, nvtx):
+    if device.type != "cuda":
+        line = (f"device: CPU (no CUDA GPU), torch {torch.__version__}: small sizes that finish in seconds; CPU "
+                "numbers show the method, not GPU performance, and MFU/memory are n/a")
+        if nvtx:
+            line += "; --nvtx ignored (NVTX ranges need CUDA)"
+        return line
+    peak = gpu_peak_flops(device)
+    peak_text = "unknown (MFU n/a)"
+    if peak is not None:
+        peak_text = f"{peak / 1e12:.0f} TFLOP/s"
+    return f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16 peak {peak_text}"
+
+def run_profile(name, config, plan, device, trace):
+    s = {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": plan.vocab[0],
+         "compile": plan.compile, "fused_ce": True}
+    bench = build(config, s, device)
+    B, T = plan.batch[0], plan.seq[0]
+    what = "CPU time of each op (no GPU: ops, not kernels)"
+    if device.type == "cuda":
+        what = "GPU kernel time"
+    print(f"\nprofile of {name} V={s['vocab']} B={B} T={T}, {plan.steps} steps each: {what}")
+    profs = profile_steps(bench, B, T, device, plan.warmup, plan.steps)
+    print_profile(profs, bench, B, T, plan.steps, device, trace)
+
+def main(argv=None):
+    args = parse_args(argv)
     try:
         device = resolve_device(args.device)
     except ValueError as e:
         fail(str(e))
-    configs, plt = check_args(args, device)
-    peak = gpu_peak_flops(device)
-    print(f"device: CPU (no CUDA GPU), torch {torch.__version__}: small sizes that finish in seconds; CPU numbers "
-          "show the method, not GPU performance, and MFU/memory are n/a" if device.type != "cuda" else
-          f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16 peak "
-          f"{'unknown (MFU n/a)' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
+    configs, plan = settings(args, device)
+    plt = None
+    try:
+        if args.trace:
+            check_output_path(args.trace, "--trace", ours=starts_with(b"{"))
+        if args.plot:
+            check_output_path(args.plot, "--plot", ours=starts_with(b"\x89PNG\r\n\x1a\n"))
+            plt = plot_to(args.plot)  # matplotlib, imported only for --plot
+    except ValueError as e:
+        fail(str(e))
+    module = None
+    if args.nanogpt:
+        module = load_nanogpt(args.nanogpt)
+    gpt.NVTX = args.nvtx and device.type == "cuda"  # torch.cuda.nvtx needs a CUDA build
+    print(device_line(device, args.nvtx))
+    (name, config), B, T = configs[0], plan.batch[0], plan.seq[0]
     what = "the ladder"
     try:
         if args.nanogpt:
             what = "the nanoGPT comparison"
-            print("\n" + run_nanogpt(args.nanogpt, configs[0][1], args.batch[0], args.seq[0], device, args))
+            print("\n" + run_nanogpt(args.nanogpt, module, config, B, T, device, plan))
             return
         if args.ladder:
-            print("\n" + run_ladder(configs[0][1], args.batch[0], args.seq[0], device, args, plt))
+            print("\n" + run_ladder(config, B, T, device, plan, args.plot, plt))
+            return
+        if args.warmup_table:
+            what = "the warm-up table"
+            print("\n" + run_warmup_table(name, config, plan, plan.steps, device))
             return
         what = "the sweep"
-        summary = print_sweep(args, run_sweep(args, configs, device), device)
-        if len(args.vocab) > 1:
+        summary = print_sweep(plan, run_sweep(plan, configs, device), device)
+        if len(plan.vocab) > 1:
             what = "the output-GEMM benchmark"
-            set_tf32(args.tf32)
-            gemm_microbench(args.batch[0] * args.seq[0], configs[0][1].n_embd, args.dtype, device, args)
+            set_tf32(plan.tf32)
+            gemm_microbench(B * T, config.n_embd, plan.dtype, device, plan)
         if args.profile or args.trace:
             what = "the profiled configuration"
-            s = {**FIRST_RUNG, "tf32": args.tf32, "dtype": args.dtype, "attn": args.attn, "vocab": args.vocab[0],
-                 "compile": args.compile, "fused_ce": True}
-            bench = build(configs[0][1], s, device)
-            B, T = args.batch[0], args.seq[0]
-            print(f"\nprofile of {configs[0][0]} V={s['vocab']} B={B} T={T}, {args.steps} steps each: "
-                  + ("GPU kernel time" if device.type == "cuda" else "CPU time of each op (no GPU: ops, not kernels)"))
-            print_profile(profile_steps(bench, B, T, device, args.warmup, args.steps), bench, B, T, args.steps,
-                          device, args.trace)
+            run_profile(name, config, plan, device, args.trace)
         print("\n" + summary)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_oom(e):
             raise
-        fail(f"out of {'GPU' if device.type == 'cuda' else 'host'} memory in {what}; lower --batch or --seq")
+        where = "host"
+        if device.type == "cuda":
+            where = "GPU"
+        fail(f"out of {where} memory in {what}; lower --batch or --seq")
 
 if __name__ == "__main__":
     run_main(main)  # Ctrl-C / SIGTERM: one line, exit 130 / 143

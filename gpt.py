@@ -90,13 +90,13 @@ def naive_attention(q, k, v):
     FlashAttention removes."""
     from torch.autograd.profiler import record_function  # ranges for bench_e2e.py's profile
     T = q.size(-2)
-    with record_function("attention scores"):
+    with record_function("attention scores"), nvtx_range("attention scores"):
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
         future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
-    with record_function("softmax"):
+    with record_function("softmax"), nvtx_range("softmax"):
         probs = scores.softmax(dim=-1)
-    with record_function("final matmul"):
+    with record_function("final matmul"), nvtx_range("final matmul"):
         return probs @ v
 
 
@@ -438,28 +438,51 @@ def clip_gradients(model, optimizer, max_norm):  # the global norm; gradients sc
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes the parameters, not grads
     return norm
 
-def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, mark=None):
-    """One optimizer step; the loss comes back as a GPU tensor, nothing waits. mark(phase) after each phase."""
-    mark = mark or (lambda phase: None)
-    with autocast(x.device, dtype):
-        _, loss = model(x, y)
-    mark("forward")
-    if scaler is None:
-        loss.backward()
-    else:
-        scaler.scale(loss).backward()  # fp16: scale so small gradients survive
-        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    mark("backward")
-    if grad_clip:
-        clip_gradients(model, optimizer, grad_clip)
-    if scaler is None:
-        optimizer.step()
-    else:
-        scaler.step(optimizer)
-        scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+def no_mark(phase):  # train_step's mark when none is given
+    return None
+
+def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, mark=None, *, lr=None, no_sync=None,
+               return_norm=False):
+    """One optimizer step; the loss comes back as a GPU tensor, nothing waits. x, y: a batch, or lists of
+    micro-batches whose gradients add up (each loss divided by their number: the step sees their mean). Keywords:
+    lr set on every parameter group first (a schedule's value); no_sync (DDP's model.no_sync) holds back the
+    gradient all-reduce on all but the last micro-batch; return_norm: (loss, global grad norm), the norm also
+    without clipping. mark(phase) after each phase; NVTX ranges (forward, backward, optimizer step) if gpt.NVTX."""
+    mark = mark or no_mark
+    batches = list(zip(x, y)) if isinstance(x, (list, tuple)) else [(x, y)]
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    total = None
+    for i, (xb, yb) in enumerate(batches):
+        last = i == len(batches) - 1
+        with nullcontext() if last or no_sync is None else no_sync():
+            with nvtx_range("forward"), autocast(xb.device, dtype):
+                _, loss = model(xb, yb)
+            mark("forward")
+            if len(batches) > 1:  # the step's gradient: the mean of the micro-batches'
+                loss = loss / len(batches)
+            with nvtx_range("backward"):
+                if scaler is None:
+                    loss.backward()
+                else:
+                    scaler.scale(loss).backward()  # fp16: scale so small gradients survive
+            mark("backward")
+        total = loss.detach() if total is None else total + loss.detach()
+    with nvtx_range("optimizer step"):
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        norm = clip_gradients(model, optimizer, grad_clip) if grad_clip or return_norm else None
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
     mark("optimizer")
-    return loss.detach()
+    if return_norm:
+        return total, norm
+    return total
 
 # --- 7. FLOPs and MFU
 
@@ -780,9 +803,18 @@ def name_list(choices, what="name"):
     return parse
 
 
-def round_up(n, multiple):  # round_up(50257, 128) == 50304
-    return (n + multiple - 1) // multiple * multiple
+NVTX = False  # --nvtx (train.py, bench_e2e.py): named ranges on Nsight Systems' timeline (CUDA builds only)
+def nvtx_range(name):
+    """A named NVTX range while gpt.NVTX is on (nsys profile --trace=cuda,nvtx shows it), else nothing. Not inside
+    torch.compile's tracing: a range there would split the graph."""
+    if NVTX and not torch.compiler.is_compiling():
+        return torch.cuda.nvtx.range(name)
+    return nullcontext()
 
+
+def round_up(n, multiple):
+    """The next multiple: round_up(50257, 128) == 50304."""
+    return (n + multiple - 1) // multiple * multiple
 
 
 def fail(message):

@@ -442,7 +442,7 @@ def running(pid):  # whether pid exists and has not ended (an ended one nobody r
         return False
 
 def test_fused_clipping_matches_clip_grad_norm():
-    """train.clip_gradients, fused AdamW (the clip inside its kernel) and plain, steps as clip_grad_norm_ does."""
+    """gpt.clip_gradients, fused AdamW (the clip inside its kernel) and plain, steps as clip_grad_norm_ does."""
     def params_after(clip, fused=True):
         torch.manual_seed(0)
         model, gen = torch.nn.Linear(16, 8), torch.Generator().manual_seed(1)
@@ -455,7 +455,7 @@ def test_fused_clipping_matches_clip_grad_norm():
         return torch.cat([p.detach().flatten() for p in model.parameters()])
     ref = params_after(lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
     for fused in (True, False):
-        ours = params_after(lambda m, o: train.clip_gradients(m, o, 1.0), fused)
+        ours = params_after(lambda m, o: gpt.clip_gradients(m, o, 1.0), fused)
         assert (ours - ref).abs().max() < 1e-6 < (params_after(lambda m, o: None) - ref).abs().max() / 100, fused
 
 def test_train_bad_input_and_checkpoints():
@@ -474,7 +474,8 @@ def test_train_bad_input_and_checkpoints():
                 f.write(value) if isinstance(value, bytes) else torch.save(value, f)
         check_bad_inputs("train.py", {
             "--model gpt5": "unknown model", "--model gpt2 --seq 2048": "block size", "--bf16 --fp16": "exclusive",
-            "--vocab 50000": "below the tokenizer", "--min-lr 1e-3": "between 0 and --lr", "--device banana": "cuda:N",
+            "--vocab 50000": "--vocab: must be at least 50257", "--min-lr 1e-3": "between 0 and --lr",
+            "--device banana": "cuda:N",
             "--fp8": "--fp8 needs", "--fsdp": "under torchrun", "--fsdp --fp16": "GradScaler",
             "--ckpt ''": "a file name", "--model tiny --recompute 5": "above the 4",
             "--ckpt input.txt": "refusing to overwrite", f"--ckpt {tmp}": "is a directory",
@@ -486,12 +487,15 @@ def test_train_bad_input_and_checkpoints():
             f"{R}/empty.pt": "empty file", f"{R}/bare.pt": "weights alone", f"{R}/tensor.pt": "bare tensor",
             f"{one} --ckpt {tmp}/ok.pt": "already holds a checkpoint: continue it with --resume",
             "--resume": "needs --ckpt", f"{R}/ok.pt --overwrite": "exclusive", f"--data {tmp}": "is a directory",
-            "--lr nan": "--lr must be a finite", "--min-lr inf": "finite", "--ckpt /proc/x.pt": "cannot be written",
+            "--lr nan": "--lr: expected a finite number", "--min-lr inf": "finite",
+            "--ckpt /proc/x.pt": "cannot be written",
             "--device cpu --model 2.7B --vocab 16777216 --batch 1 --seq 64": "of this machine's memory",
             f"{one} --stop-after 1 {R}/ok.pt --steps 2": "(a step of the run, not a count)",
-            **{f"--{f} {v}": f"--{f} must be positive" for f in ("batch", "stop-after", "recompute") for v in (0, -1)},
-            **{f"--{f} -1": f"--{f} cannot be negative"
+            **{f"--{f} {v}": f"--{f}: must be at least 1, got {v}" for f in ("batch", "stop-after", "recompute")
+               for v in (0, -1)},
+            **{f"--{f} -1": f"--{f}: must be at least 0, got -1"
                for f in ("warmup", "grad-clip", "weight-decay", "sample", "fp8")},
+            "--batch 2.5": "--batch: expected an integer", "--attn fast": "invalid choice: 'fast'",
             **({} if HAS_CUDA else {"--fp16": "needs a CUDA GPU", "--device cuda": "no CUDA GPU",
                                     "--fp8 0 --bf16": "FP8 tensor"})})
         assert open(os.path.join(HERE, "input.txt"), "rb").read() == text  # --ckpt input.txt left it alone
@@ -522,7 +526,7 @@ def test_train_gpu_recompute_fp8_fused_ce_compile():
     torch.testing.assert_close(train_main(*gpt2)[0], train_main(*gpt2, "--no-fused-ce")[0], rtol=1e-3, atol=0)
     tiny = ["--model", "tiny", "--steps", 8, "--batch", 4, "--seq", 128, "--warmup", 1, "--lr", 3e-3,
             "--device", "cuda"]
-    compiled, eager = (train_main(*tiny, "--bf16", *extra)[1] for extra in (["--compile"], []))
+    compiled, eager = (train_main(*tiny, "--bf16", "--nvtx", *extra)[1] for extra in (["--compile"], []))
     torch.testing.assert_close(step_values(compiled), step_values(eager), atol=0.05, rtol=0)
     torch.testing.assert_close(step_values(compiled, "norm"), step_values(eager, "norm"), rtol=0.05, atol=0)
     fp16 = train_main(*tiny, "--fp16")[0]
@@ -635,12 +639,11 @@ def test_precision_gpu_sections_and_fp8_gemms():
         ref = ops["bf16"]().float()
         assert all(rel_err(op().float(), ref) < 0.1 for op in ops.values())
 
-# --- 5. bench_e2e.py: ladder, sweep, output GEMMs, profile, bad input
+# --- 5. bench_e2e.py: ladder, sweep, output GEMMs, warm-up table, profile, bad input
 
 def sweep(device, **kw):  # bench_e2e.run_sweep of the tiny model: (times, stats) by (vocab, batch, seq, mode)
-    args = {**dict(vocab=[50257], batch=[1, 2], seq=[16], modes=bench_e2e.MODES, tf32=False, dtype=None, attn="sdpa",
-                   compile=False, rounds=2, steps=1, warmup=1), **kw}
-    return bench_e2e.run_sweep(types.SimpleNamespace(**args), [("tiny", gpt.make_config("tiny"))], device)[0][1:]
+    plan = bench_e2e.Plan(**{**dict(vocab=[50257], batch=[1, 2], seq=[16], modes=bench_e2e.MODES, rounds=2), **kw})
+    return bench_e2e.run_sweep(plan, [("tiny", gpt.make_config("tiny"))], device)[0][1:]
 
 def rung_losses(config, x, y, device):  # every rung that runs here trains the same model: same seed, batch, loss
     return [bench_e2e.run_step("train", bench_e2e.build(config, s, device), x, y).item()
@@ -657,13 +660,13 @@ def test_bench_e2e_ladder_cpu():
     cpu, config = torch.device("cpu"), gpt.make_config("tiny")
     losses = rung_losses(config, *bench_e2e.batch_of(2, 16, cpu), cpu)
     assert len(losses) == 4 and all(abs(v - losses[0]) < 0.02 * losses[0] for v in losses), losses
-    fp8 = bench_e2e.build(config, {**bench_e2e.FIRST_RUNG, "fp8": True}, cpu)["model"]  # forced: all four per block
+    fp8 = bench_e2e.build(config, {**bench_e2e.FIRST_RUNG, "fp8": True}, cpu).model  # forced: all four per block
     assert sum(type(m) is gpt.Fp8Linear for m in fp8.modules()) == 4 * config.n_layer
 
 def test_bench_e2e_sweep_numbers_profile_cpu_run():
     times, stats = sweep(cpu := torch.device("cpu"))
     assert len(times) == 2 * 3 and all(len(t) == 2 for t in times.values()), times  # batches x modes
-    assert all(t.low <= t.median <= t.high and t.peak is None for t in stats.values())
+    assert all(t.low <= t.median <= t.high and t.low <= t.mean <= t.high and t.peak is None for t in stats.values())
     a, b = (50257, 2, 16, "train"), (50257, 1, 16, "train")
     ratios = sorted(2 * tb / ta for ta, tb in zip(times[a], times[b]))  # tokens/s ratio, per round
     assert bench_e2e.speedup(times, a, b, 2.0) == f"{sum(ratios) / 2:.3f}x ({ratios[0]:.3f}-{ratios[1]:.3f})"
@@ -675,30 +678,76 @@ def test_bench_e2e_sweep_numbers_profile_cpu_run():
     profs = bench_e2e.profile_steps(bench, 1, 16, cpu, warmup=1, steps=1)
     fwd, step = (bench_e2e.category_times(profs[m], False) for m in ("forward", "train"))
     assert {"matmul", "optimizer", "element-wise", "normalization"} <= set(step) and "optimizer" not in fwd, (fwd, step)
-    stages = bench_e2e.naive_attention_rows(profs["forward"], bench["config"], 1, 16, 1, False)
+    stages = bench_e2e.naive_attention_rows(profs["forward"], bench.config, 1, 16, 1, False)
     assert [r[0] for r in stages] == list(bench_e2e.NAIVE_RANGES)
     assert float(stages[1][4][:-1]) < float(stages[2][4][:-1])  # the softmax's FLOP share is the smaller
     trace = os.path.join(tempfile.mkdtemp(), "step.json")  # and the whole script: vocab widths, GEMMs, profile
     out, err = main_ok("bench_e2e.py", "--device", "cpu", "--batch", 1, "--seq", 16, "--vocab", "50257,50304",
-                       "--attn", "naive", "--trace", trace, "--rounds", 1)
+                       "--attn", "naive", "--trace", trace, "--rounds", 2, "--warmup", 0, "--nvtx")
     assert all(title in out for title in ("where a train step's time goes", "output-layer GEMMs alone",
                                           "time by category", "naive attention, forward")), err + out
+    assert "--nvtx ignored (NVTX ranges need CUDA)" in out and "ms/step, mean ± std" in out, out
+    cells = [line.split() for line in out.splitlines() if re.match(r"tiny +\d", line)]  # model vocab batch seq ...
+    assert len(cells) == 6 and all(c[8] == "±" for c in cells), out
+    for c in cells:  # median (min-max), then mean ± std: the mean lies within min and max
+        low, high = map(float, c[6].strip("()").split("-"))
+        assert low <= float(c[7]) <= high and float(c[9]) >= 0, c
     assert out.strip().splitlines()[-1].startswith("best train throughput"), out
     assert bench_e2e.starts_with(b"{")(trace) and json.load(open(trace))["traceEvents"]  # ours: may be overwritten
 
 def test_bench_e2e_bad_input():
     d, j = tempfile.mkdtemp(), os.path.join
-    check_bad_inputs("bench_e2e.py", {
-        "--model huge": "unknown model", "--model tiny --seq 1000": "at most 256",
-        **{f"--{flag} 0": f"--{flag} must be at least 1" for flag in ("batch", "rounds", "steps", "warmup")},
-        "--batch 2,x": "integers separated by commas", "--vocab 50000": "--vocab must be at least 50257",
-        "--mode backward": "invalid choice", "--bf16 --fp16": "exclusive", "--device cpu --fp16": "needs a CUDA GPU",
-        "--device cpu --attn triton": "needs a CUDA", "--device banana": "not a device",
-        "--device cuda:7": "--device cuda:7", ("--trace", j(d, "missing", "t.json")): "does not exist",
-        ("--trace", d): "is a directory", ("--trace", j(HERE, "input.txt")): "refusing to overwrite",
-        ("--plot", j(d, "p.png")): "add --ladder", "--ladder --batch 1,2": "one --batch",
-        ("--ladder", "--plot", j(d, "missing", "p.png")): "does not exist", "--ladder --bf16": "sets precision",
-        "--device cpu --batch 100000": "of this machine's memory"})  # refused, not killed by the OOM killer
+    check_bad_inputs("bench_e2e.py", [
+        ("--model huge", "unknown model"),
+        ("--model tiny --seq 1000", "--seq must be at most 256, the block size of tiny"),
+        ("--batch 0", "argument --batch: must be at least 1, got 0"),
+        ("--rounds 0", "argument --rounds: must be at least 1, got 0"),
+        ("--steps 0", "argument --steps: must be at least 1, got 0"),
+        ("--warmup -1", "argument --warmup: must be at least 0, got -1"),
+        ("--batch 2,x", "argument --batch: expected an integer, got 'x'"),
+        ("--seq 16,,32", "argument --seq: expected a comma list of integers"),
+        ("--vocab 50000", "argument --vocab: must be at least 50257, got 50000"),
+        ("--mode backward", "invalid choice"),
+        ("--bf16 --fp16", "exclusive"),
+        ("--device cpu --fp16", "needs a CUDA GPU"),
+        ("--device cpu --attn triton", "needs a CUDA"),
+        ("--device banana", "not a device"),
+        ("--device cuda:7", "--device cuda:7"),
+        (["--trace", j(d, "missing", "t.json")], "does not exist"),
+        (["--trace", d], "is a directory"),
+        (["--trace", j(HERE, "input.txt")], "refusing to overwrite"),
+        (["--plot", j(d, "p.png")], "add --ladder"),
+        ("--ladder --batch 1,2", "one --batch"),
+        (["--ladder", "--plot", j(d, "missing", "p.png")], "does not exist"),
+        ("--ladder --bf16", "sets precision"),
+        ("--ladder --warmup 0", "--warmup 1 or more"),
+        ("--warmup-table --warmup 1", "drop --warmup and --rounds"),
+        ("--warmup-table --rounds 3", "drop --warmup and --rounds"),
+        ("--warmup-table --batch 1,2", "--warmup-table times one --model"),
+        ("--warmup-table --vocab 50257,50304", "--warmup-table times one --model"),
+        ("--warmup-table --ladder", "--warmup-table times one --model"),
+        ("--warmup-table --profile", "--warmup-table times one --model"),
+        ("--device cpu --batch 100000", "of this machine's memory"),  # refused, not killed by the OOM killer
+    ])
+
+def test_bench_e2e_warmup_table_cpu():
+    """Rows for 0, 1 and 2 warm-up steps, each with steps 1-3 and the settled mean ± std; the untimed steps run
+    before the timed ones, one model per row."""
+    flags = "--device cpu --warmup-table --mode forward --batch 1 --seq 16 --steps 2"
+    out, err = main_ok("bench_e2e.py", *flags.split())
+    rows = [line.split() for line in out.splitlines() if line.startswith("forward ")]
+    assert [r[1] for r in rows] == ["0", "1", "2"] and all(len(r) == 9 and r[6] == "±" for r in rows), out
+    assert all(float(v) > 0 for r in rows for v in r[2:6]), rows
+    assert "process start-up" in out and "the first steps pay for:" in out, out
+    assert out.strip().splitlines()[-1].startswith("warm-up table: step 1 without warm-up takes"), out
+    calls, cpu = [], torch.device("cpu")
+    def counted(mode, bench, x, y):
+        calls.append(mode)
+    s = {**bench_e2e.FIRST_RUNG, "vocab": 50257}
+    with unittest.mock.patch.object(bench_e2e, "run_step", counted):
+        x, y = bench_e2e.batch_of(1, 8, cpu)
+        head, rest = bench_e2e.warmup_row(gpt.make_config("tiny"), s, "train", 2, 4, x, y, cpu)
+    assert len(head) == bench_e2e.FIRST_STEPS and len(rest) == 4 and calls == ["train"] * (2 + 3 + 4), calls
 
 NANOGPT_STAND_IN = """
 import dataclasses, gpt
@@ -726,9 +775,15 @@ def test_bench_e2e_nanogpt_cpu():
         assert list(rows) == ["nanoGPT model.py", "ours, plain loss (--no-fused-ce)", "ours, the headline"], out
         assert all(rows[n].count("x (") == 1 for n in list(rows)[1:]) and "x (" not in rows["nanoGPT model.py"], out
         assert out.strip().splitlines()[-1].startswith("nanogpt: the headline makes "), out
+        other = os.path.join(tmp, "other.py")
+        open(other, "w").write("x = 1\n")
         os.remove(os.path.join(tmp, "model.py"))
-        check_bad_inputs("bench_e2e.py", {("--nanogpt", tmp): "no model.py there",
-                                          ("--nanogpt", HERE, "--ladder"): "--nanogpt compares one"})
+        check_bad_inputs("bench_e2e.py", [
+            (["--nanogpt", tmp], "no model.py there"),
+            (["--nanogpt", other], "it defines no GPT"),
+            (["--nanogpt", HERE, "--ladder"], "--nanogpt compares one"),
+            (["--nanogpt", HERE, "--warmup", "0"], "--warmup 1 or more"),
+        ])
 
 @gpu
 def test_bench_e2e_gpu_ladder_peaks_oom():
@@ -748,6 +803,11 @@ def test_bench_e2e_gpu_ladder_peaks_oom():
     assert all(stats[(50257, 16384, 256, m)] is None for m in bench_e2e.MODES)
     check_bad_inputs("bench_e2e.py", [("--model tiny --batch 16384 --seq 256 --mode forward --rounds 1 --profile",
                                        "out of GPU memory in the profiled configuration")])
+    for extra in ([], ["--compile"]):  # NVTX ranges (no-ops without nsys) in naive attention: eager, and compiled
+        flags = "--model tiny --batch 4 --seq 128 --attn naive --mode train --warmup-table --steps 3 --nvtx".split()
+        out, err = main_ok("bench_e2e.py", *flags, *extra)
+        rows = [line.split() for line in out.splitlines() if line.startswith("train ")]
+        assert [r[1] for r in rows] == ["0", "1", "2"] and "warm-up table:" in out.splitlines()[-1], out + err
 
 # --- 6. memory.py: the model against live tensors (one process, DDP and FSDP ranks); parallel; bad input
 

@@ -5,7 +5,8 @@ Each flag is a speed-up the other scripts measure: --tf32, --bf16 / --fp16, --at
 layer fused with the loss (--no-fused-ce turns it off). The loop never makes the GPU wait: a step's loss is
 read back while the GPU runs the next. Several GPUs: torchrun, DDP or --fsdp (FSDP2: weights, gradients and
 optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C saves
---ckpt and prints how to resume. Without CUDA the same command trains `tiny` on a short context.
+--ckpt and prints how to resume. --nvtx names each step and its phases for Nsight Systems (nsys profile --trace=
+cuda,nvtx). Without CUDA the same command trains `tiny` on a short context.
 
     python train.py --vocab 50304 --bf16 --compile                 # the headline run
     python train.py --vocab 50304 --bf16 --compile --fp8 0         # FP8 in every block (--fp8: >= 2048 wide)
@@ -22,7 +23,7 @@ import signal
 import statistics
 import sys
 from collections import Counter
-from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,53 +31,63 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpt import (FP8_MIN_WIDTH, GPT, GPT2_VOCAB, amp_dtype, autocast, check_host_memory, check_output_path,
-                 clip_gradients, clock, compile_model, configure_optimizer, elapsed_ms, fail, flops_per_token,
-                 fmt_mfu, fp8_supported, fully_shard_gpt, gib, gpt2_tokenizer, is_oom, load_tokens, make_config, mfu,
-                 print_table, resolve_device, set_tf32, step_bytes, use_fp8)
+import gpt  # gpt.NVTX: the switch --nvtx sets
+from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, amp_dtype, autocast, check_host_memory,
+                 check_output_path, clock, compile_model, configure_optimizer, elapsed_ms, fail, float_in,
+                 flops_per_token, fmt_mfu, fp8_supported, fully_shard_gpt, gib, gpt2_tokenizer, int_in, is_oom,
+                 load_tokens, make_config, mfu, nvtx_range, on_device, print_table, resolve_device, set_tf32,
+                 step_bytes, train_step, use_fp8)
 
 # --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
-def wrap(model, args, world, device):
+def wrap(model, run, world, device):
     """The module the loop calls: compiled (CUDA graphs only on one GPU without accumulation: DDP
     and FSDP launch their collectives from outside the graphs, see compile_model), then DDP. Under
     FSDP, torch.compile cannot trace the all-gather hooks around each block: it compiles the block's
     forward (one graph that all blocks share) and runs the embeddings and the loss eagerly."""
-    if args.compile:
-        model = compile_model(model, cuda_graphs=device.type == "cuda" and world == 1 and args.grad_accum == 1)
-    if world > 1 and not args.fsdp:
+    if run.compile:
+        model = compile_model(model, cuda_graphs=device.type == "cuda" and world == 1 and run.grad_accum == 1)
+    if world > 1 and not run.fsdp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
 
+def build(run, config, state, rank, world, device, log):
+    """(raw model, the module the loop calls, optimizer, scaler, first step, read position)."""
+    torch.manual_seed(run.seed)  # the same initial weights on every rank
+    with torch.device(device):  # built where it trains: no host copy of a 2.7B model to initialise and move
+        raw_model = GPT(config)
+    if run.fp8 is not None:
+        plan = use_fp8(raw_model, run.fp8)
+        if rank == 0:
+            print_fp8_table(plan, run.fp8, config)
+    if run.fsdp:
+        fully_shard_gpt(raw_model, torch.bfloat16 if run.bf16 else None)  # in place: now sharded
+    optimizer = configure_optimizer(raw_model, run.lr, run.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=run.fp16)  # fp16 gradients underflow without it
+    step, pos = 0, 0
+    if state is not None:
+        step, pos = apply_checkpoint(state, run.ckpt, raw_model, optimizer, scaler)
+        log(f"resumed from {run.ckpt} at step {step}")
+    return raw_model, wrap(raw_model, run, world, device), optimizer, scaler, step, pos
 
-# --- 2. one optimizer step
-def train_step(model, optimizer, scaler, batches, lr, dtype, args, world, vote):
-    """One optimizer step over the micro-batches (x, y) with autocast to `dtype`. It only queues
-    GPU work and returns the mean loss, the grad norm and (several processes) the stop votes
-    summed over the ranks, as GPU tensors: nothing here waits."""
-    device, accum = batches[0][0].device, len(batches)
-    loss_sum = torch.zeros((), device=device)
-    for micro, (x, y) in enumerate(batches):
-        # DDP all-reduces gradients in backward: skip it on all but the last micro-step. FSDP
-        # reduce-scatters after every micro-step: waiting would keep whole gradients, not shards.
-        sync = micro == accum - 1 or world == 1 or args.fsdp
-        with nullcontext() if sync else model.no_sync():
-            with autocast(device, dtype):
-                _, loss = model(x, y)
-            scaler.scale(loss / accum).backward()
-        loss_sum += loss.detach() / accum
-    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    norm = clip_gradients(model, optimizer, args.grad_clip)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    if world == 1:
-        return loss_sum, norm, None
-    # one all-reduce averages the loss and counts the ranks asked to stop (StopSignal); queued, not awaited
-    stats = torch.stack([loss_sum, torch.full((), float(vote), device=device)])
+
+# --- 2. one optimizer step: gpt.train_step (micro-batches, DDP's no_sync, lr, GradScaler), then the ranks' vote
+def average_and_vote(loss, vote, world):
+    """One all-reduce averages the loss over the ranks and counts those asked to stop (StopSignal): queued, not
+    awaited; StepLog reads both a step later. DDP has already averaged the gradients inside backward."""
+    stats = torch.stack([loss, torch.full((), float(vote), device=loss.device)])
     dist.all_reduce(stats)
-    return stats[0] / world, norm, stats[1]
+    return stats[0] / world, stats[1]
+
+def micro_batches(tokens, pos, run, rank, world, device):
+    """(inputs, targets, next read position): grad_accum micro-batches, each rank its own rows of each."""
+    B, T = run.batch, run.seq
+    xs, ys = [], []
+    for _ in range(run.grad_accum):
+        x, y = get_batch(tokens, pos + rank * B * T, B, T, device)
+        xs.append(x)
+        ys.append(y)
+        pos = next_position(pos, B * T * world, len(tokens))
+    return xs, ys, pos
 
 
 # --- 3. the loop: a line per step without waiting, and a clean stop on Ctrl-C / SIGTERM
@@ -161,77 +172,84 @@ class StopSignal:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
-def train(args, config, data, state, rank, world, device):
-    log = print if rank == 0 else (lambda *a, **k: None)
-    dtype = amp_dtype(args.bf16, args.fp16)
-    set_tf32(args.tf32)
+def quiet(*args, **kwargs):  # the log of ranks other than 0
+    return None
+
+def train(run, config, data, state, rank, world, device):
+    log = print if rank == 0 else quiet
+    dtype = amp_dtype(run.bf16, run.fp16)
+    set_tf32(run.tf32)
     train_tokens, val, eval_plan = data
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-
-    with torch.device(device):  # built where it trains: no host copy of a 2.7B model to initialise and move
-        raw_model = GPT(config)
-    if args.fp8 is not None:
-        plan = use_fp8(raw_model, args.fp8)
-        if rank == 0:
-            print_fp8_table(plan, args, config)
-    if args.fsdp:
-        fully_shard_gpt(raw_model, torch.bfloat16 if args.bf16 else None)  # in place: now sharded
-    optimizer = configure_optimizer(raw_model, args.lr, args.weight_decay)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.fp16)  # fp16 gradients underflow without it
-    step, pos = 0, 0
-    if state is not None:
-        step, pos = apply_checkpoint(state, args.ckpt, raw_model, optimizer, scaler)
-        log(f"resumed from {args.ckpt} at step {step}")
-    model = wrap(raw_model, args, world, device)
-
-    B, T, accum = args.batch, args.seq, args.grad_accum
-    tokens_per_step = B * T * accum * world
-    flops_per_step = flops_per_token(config, T) * tokens_per_step / world  # per GPU
-    log(f"model {args.model}: {raw_model.num_params():,} parameters | {tokens_per_step:,} tokens per step "
-        f"(batch {B} x seq {T} x accum {accum} x {world} process{'es' * (world > 1)}{', FSDP' * args.fsdp})")
-    if eval_plan[0] < B:
+    raw_model, model, optimizer, scaler, step, pos = build(run, config, state, rank, world, device, log)
+    # DDP all-reduces gradients in backward: held back on all but the last micro-batch. FSDP reduce-scatters
+    # after every micro-batch: holding back would keep whole gradients, not shards.
+    no_sync = model.no_sync if isinstance(model, DDP) else None
+    tokens_per_step = run.batch * run.seq * run.grad_accum * world
+    flops_per_step = flops_per_token(config, run.seq) * tokens_per_step / world  # per GPU
+    log(f"model {run.model}: {raw_model.num_params():,} parameters | {tokens_per_step:,} tokens per step "
+        f"(batch {run.batch} x seq {run.seq} x accum {run.grad_accum} x {processes(world, run.fsdp)})")
+    if eval_plan[0] < run.batch:
         log(f"the validation split holds {len(val):,} tokens: evaluating {eval_plan[0]} sequences per process")
-    nan_hint = "fp16 overflow without loss scaling" if args.fp16 else f"a learning rate too high (--lr {args.lr})"
+    nan_hint = f"a learning rate too high (--lr {run.lr})"
+    if run.fp16:
+        nan_hint = "fp16 overflow without loss scaling"
     steps = StepLog(step, tokens_per_step, flops_per_step, device, nan_hint, log)
-    if args.compile:
+    if run.compile:
         log("compiling... (torch.compile: the first step takes 20-60 s)")
     stop, stopping = StopSignal(), False
     try:
-        for step in range(step, args.last):
-            batches = []
-            for _ in range(accum):
-                batches.append(get_batch(train_tokens, pos + rank * B * T, B, T, device))
-                pos = next_position(pos, B * T * world, len(train_tokens))
-            lr = lr_at(step, args)
-            loss, norm, votes = train_step(model, optimizer, scaler, batches, lr, dtype, args, world,
-                                           vote=stop.signum is not None)
+        for step in range(step, run.last):
+            xs, ys, pos = micro_batches(train_tokens, pos, run, rank, world, device)
+            lr = lr_at(step, run.lr, run.min_lr, run.warmup, run.steps)
+            with nvtx_range(f"step {step}"):
+                loss, norm = train_step(model, optimizer, xs, ys, dtype, scaler, run.grad_clip, lr=lr,
+                                        no_sync=no_sync, return_norm=True)
+            votes = None
+            if world > 1:
+                loss, votes = average_and_vote(loss, stop.signum is not None, world)
             steps.queue(step, lr, loss, norm, votes)  # prints the previous step's line while the GPU runs this one
-            at_eval = (step + 1) % args.eval_every == 0 or step + 1 == args.last
+            at_eval = (step + 1) % run.eval_every == 0 or step + 1 == run.last
             # every rank has read the same votes at this point, so all take the same branch
-            stopping = steps.stop_votes > 0 if world > 1 else stop.signum is not None
+            stopping = stop.signum is not None
+            if world > 1:
+                stopping = steps.stop_votes > 0
             if at_eval or stopping:
                 steps.pause()  # val loss and the checkpoint must see this step's weights
                 if not stopping:
-                    val_mean = val_loss(raw_model, val, eval_plan, args, rank, world, device, dtype)
+                    val_mean = val_loss(raw_model, val, eval_plan, run.seq, rank, world, device, dtype)
                     log(f"step {step:5d} | val loss {val_mean:.4f}")
-                if args.ckpt:
-                    save_checkpoint(args.ckpt, raw_model, optimizer, scaler, step + 1, pos, args, rank, world)
+                if run.ckpt:
+                    save_checkpoint(run.ckpt, raw_model, optimizer, scaler, step + 1, pos, run, rank, world)
                 steps.resume()
             if stopping:
                 break
     finally:
         stop.restore()
     if stopping:
-        name = signal.Signals(stop.signum or signal.SIGTERM).name
-        launcher = ["torchrun", f"--nproc_per_node={world}"] if world > 1 else ["python"]
-        again = shlex.join(launcher + ["train.py"] + [a for a in args.argv if a != "--resume"] + ["--resume"])
-        saved = f"checkpoint {args.ckpt} holds step {step + 1}; resume with: {again}" if args.ckpt else \
-            "nothing saved (no --ckpt)"
-        log(f"interrupted ({name}) after step {step}: {saved}")
+        log(f"interrupted ({signal.Signals(stop.signum or signal.SIGTERM).name}) after step {step}: "
+            + resume_hint(run, step + 1, world))
         raise SystemExit(128 + (stop.signum or signal.SIGTERM))
-    log(steps.summary(recompute_cost(config, T)) + f" | val loss {val_mean:.4f}")
-    if args.sample and (args.fsdp or rank == 0):  # under FSDP every rank must take part in each forward
-        print_sample(raw_model, args.sample, device, dtype, args.seed, log)
+    log(steps.summary(recompute_cost(config, run.seq)) + f" | val loss {val_mean:.4f}")
+    if run.sample and (run.fsdp or rank == 0):  # under FSDP every rank must take part in each forward
+        print_sample(raw_model, run.sample, device, dtype, run.seed, log)
+
+def processes(world, fsdp):  # "1 process", "2 processes, FSDP"
+    words = f"{world} process"
+    if world > 1:
+        words += "es"
+    if fsdp:
+        words += ", FSDP"
+    return words
+
+def resume_hint(run, step, world):
+    """What the checkpoint holds and the command that continues it: the same flags with --resume."""
+    if not run.ckpt:
+        return "nothing saved (no --ckpt)"
+    launcher = ["python"]
+    if world > 1:
+        launcher = ["torchrun", f"--nproc_per_node={world}"]
+    again = shlex.join(launcher + ["train.py"] + [a for a in run.argv if a != "--resume"] + ["--resume"])
+    return f"checkpoint {run.ckpt} holds step {step}; resume with: {again}"
 
 def recompute_cost(config, T):
     """' | recompute ...': the blocks recomputed and the forward FLOPs they add to a step, as a
@@ -243,16 +261,22 @@ def recompute_cost(config, T):
     extra = n * (2 * (4 * d * d + 2 * d * config.d_ff) + 4 * d * T) / flops_per_token(config, T)
     return f" | recompute {n}/{L} blocks: +{100 * extra:.0f}% FLOPs (not in MFU)"
 
-def print_fp8_table(plan, args, config):
+def print_fp8_table(plan, min_width, config):
     """Which Linears run their matmuls in FP8: the block's four where both widths reach --fp8
     (default gpt.FP8_MIN_WIDTH: narrower matmuls are too small to repay the scaling passes)."""
     rows = Counter((name.split(".", 2)[2], f"{n_in} x {n_out}",  # h.3.attn.c_attn -> attn.c_attn
-                    "FP8 (e4m3; gradients e5m2)" if fp8 else f"bf16 (below {args.fp8} wide)")
+                    "FP8 (e4m3; gradients e5m2)" if fp8 else f"bf16 (below {min_width} wide)")
                    for name, n_in, n_out, fp8 in plan)
-    rows[("lm_head", f"{config.n_embd} x {config.vocab_size}", "bf16" + " (fused with the loss)" * config.fused_ce)] = 1
+    head = "bf16"
+    if config.fused_ce:
+        head = "bf16 (fused with the loss)"
+    rows[("lm_head", f"{config.n_embd} x {config.vocab_size}", head)] = 1
     print_table(["Linear layer", "in x out", "matmuls in", "count"], [[*k, n] for k, n in rows.items()])
     n = sum(fp8 for *_, fp8 in plan)
-    print(f"--fp8 {args.fp8}: {n} of {len(plan)} block Linears in FP8" + "; --fp8 0 converts all" * (n < len(plan)))
+    hint = ""
+    if n < len(plan):
+        hint = "; --fp8 0 converts all"
+    print(f"--fp8 {min_width}: {n} of {len(plan)} block Linears in FP8{hint}")
 
 
 # --- 4. data: Tiny Shakespeare as GPT-2 tokens, read sequentially so a run can resume exactly
@@ -270,12 +294,12 @@ def next_position(pos, stride, n_tokens):
     pos += stride
     return 0 if pos + stride + 1 > n_tokens else pos
 
-def lr_at(step, args):
-    """Linear warm-up, then cosine decay to min_lr."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (args.lr - args.min_lr)
+def lr_at(step, lr, min_lr, warmup, steps):
+    """Linear warm-up to lr over `warmup` steps, then cosine decay to min_lr at `steps`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (lr - min_lr)
 
 
 # --- 5. checkpoints: one file for one process, DDP and FSDP, written atomically
@@ -286,24 +310,32 @@ def lr_at(step, args):
 # fine at these sizes; sharded writes win when that no longer fits.
 KIND = "nanoperf train.py checkpoint, format 2"
 
-def precision_of(args):
+def precision_of(run):
     """The flags that set the arithmetic: a resumed run may change them, and is told so."""
-    return " + ".join(["bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"] + ["tf32"] * bool(args.tf32)
-                      + ([f"fp8 (min width {args.fp8})"] if args.fp8 is not None else []))
+    parts = ["fp32"]
+    if run.bf16:
+        parts = ["bf16"]
+    if run.fp16:
+        parts = ["fp16"]
+    if run.tf32:
+        parts.append("tf32")
+    if run.fp8 is not None:
+        parts.append(f"fp8 (min width {run.fp8})")
+    return " + ".join(parts)
 
-def run_fields(args, world):
+def run_fields(run, world):
     """What must match for a resumed run to continue the same run (the data order and schedule)."""
-    return {"model": args.model, "vocab": args.vocab, "seq": args.seq, "grad_accum": args.grad_accum,
-            "steps": args.steps, "sequences": args.batch * world}
+    return {"model": run.model, "vocab": run.vocab, "seq": run.seq, "grad_accum": run.grad_accum,
+            "steps": run.steps, "sequences": run.batch * world}
 
-def save_checkpoint(path, model, optimizer, scaler, step, pos, args, rank, world):
-    if not (args.fsdp or rank == 0):  # gathering FSDP's shards takes every rank; DDP's ranks hold copies
+def save_checkpoint(path, model, optimizer, scaler, step, pos, run, rank, world):
+    if not (run.fsdp or rank == 0):  # gathering FSDP's shards takes every rank; DDP's ranks hold copies
         return
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all, the others {}
     state = {"kind": KIND, "model": get_model_state_dict(model, options=options),
              "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
-             "scaler": scaler.state_dict(), "step": step, "pos": pos, "run": run_fields(args, world),
-             "precision": precision_of(args)}
+             "scaler": scaler.state_dict(), "step": step, "pos": pos, "run": run_fields(run, world),
+             "precision": precision_of(run)}
     if rank != 0:
         return
     try:
@@ -316,7 +348,7 @@ def save_checkpoint(path, model, optimizer, scaler, step, pos, args, rank, world
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
 
-def read_checkpoint(path, args, world):
+def read_checkpoint(path, run, world):
     """The checkpoint at `path`, or a ValueError saying in one sentence why it is not one for this run."""
     if os.path.getsize(path) == 0:
         raise ValueError(f"{path} is an empty file, not a checkpoint")
@@ -325,11 +357,13 @@ def read_checkpoint(path, args, world):
     except Exception as e:
         raise ValueError(f"{path} is not a checkpoint: torch.load cannot read it ({type(e).__name__})") from None
     if not (isinstance(state, dict) and state.get("kind") == KIND):
-        weights = isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())
-        what = ("a bare tensor" if isinstance(state, torch.Tensor) else "weights alone (a state_dict)" if weights
-                else f"a {type(state).__name__} of another kind")
+        what = f"a {type(state).__name__} of another kind"
+        if isinstance(state, torch.Tensor):
+            what = "a bare tensor"
+        elif isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):
+            what = "weights alone (a state_dict)"
         raise ValueError(f"{path} holds {what}, not a train.py checkpoint")
-    for key, now in run_fields(args, world).items():
+    for key, now in run_fields(run, world).items():
         flag = "sequences per micro-step (--batch x processes)" if key == "sequences" else "--" + key.replace("_", "-")
         if state["run"].get(key) != now:
             raise ValueError(f"{path} was made with {flag} {state['run'].get(key)}, not {now}")
@@ -358,7 +392,7 @@ def apply_checkpoint(state, path, model, optimizer, scaler):
 
 # --- 6. evaluation and sampling
 @torch.no_grad()
-def val_loss(model, val, plan, args, rank, world, device, dtype):
+def val_loss(model, val, plan, T, rank, world, device, dtype):
     """Mean loss over the first batches of the validation split (the same every time). Each rank
     takes its own rows of each batch, as in training, and the sums are all-reduced: FSDP needs
     every rank in every forward anyway, since each one all-gathers the weights from all ranks."""
@@ -366,7 +400,7 @@ def val_loss(model, val, plan, args, rank, world, device, dtype):
     model.eval()
     total = torch.zeros((), device=device)
     for i in range(n_batches):
-        x, y = get_batch(val, (i * world + rank) * rows * args.seq, rows, args.seq, device)
+        x, y = get_batch(val, (i * world + rank) * rows * T, rows, T, device)
         with autocast(device, dtype):
             total += model(x, y)[1].float()
     model.train()
@@ -386,54 +420,101 @@ def print_sample(model, n_tokens, device, dtype, seed, log):
 # --- 7. command line and the checks made before any work
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Train GPT-2 on Tiny Shakespeare.")
+    positive = int_in(1)
     p.add_argument("--model", help="preset: tiny, gpt2, small, medium, large, xl, 2.7B (default gpt2; tiny on CPU)")
-    p.add_argument("--vocab", type=int, default=GPT2_VOCAB, help="vocabulary size (50304: 50257 padded)")
+    p.add_argument("--vocab", type=int_in(GPT2_VOCAB), default=GPT2_VOCAB, help="vocabulary size (50304: 50257 "
+                   "padded); at least the tokenizer's 50257")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler (CUDA only)")
     p.add_argument("--tf32", action="store_true", help="TF32 tensor cores for fp32 matmuls")
-    p.add_argument("--fp8", type=int, nargs="?", const=FP8_MIN_WIDTH, metavar="MIN_WIDTH", help="FP8 matmuls "
+    p.add_argument("--fp8", type=int_in(0), nargs="?", const=FP8_MIN_WIDTH, metavar="MIN_WIDTH", help="FP8 matmuls "
                    f"(H100/H200, with --bf16) in block Linears MIN_WIDTH wide (default {FP8_MIN_WIDTH}; 0: all)")
     p.add_argument("--no-fused-ce", action="store_true", help="materialise the logits for the loss (unfused)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--attn", default="sdpa", help="naive, sdpa, flash, cudnn, efficient, math, triton")
+    p.add_argument("--attn", default="sdpa", choices=ATTENTION, help="attention implementation (default sdpa)")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (under torchrun, 2+ processes)")
-    p.add_argument("--recompute", type=int, metavar="K", help="recompute every K-th block in backward (1: all)")
-    p.add_argument("--batch", type=int, help="sequences per micro-step per GPU (default 16; 8 on CPU)")
-    p.add_argument("--seq", type=int, help="context length (default 1024; 64 on CPU)")
-    p.add_argument("--steps", type=int, help="optimizer steps, the span of the schedule (default 200; 50 on CPU)")
-    p.add_argument("--stop-after", type=int, metavar="STEP", help="stop when the run reaches this step (counted from "
-                   "the run's start, also after --resume), as if interrupted")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
-    p.add_argument("--min-lr", type=float, help="final learning rate of the cosine decay (default lr/10)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm (0: off)")
-    p.add_argument("--eval-every", type=int, default=50, help="val loss every N steps (and at the end)")
-    p.add_argument("--eval-steps", type=int, default=10, help="val batches per evaluation (at most all of val)")
-    p.add_argument("--sample", type=int, default=0, metavar="N", help="print N generated tokens at the end")
+    p.add_argument("--recompute", type=positive, metavar="K", help="recompute every K-th block in backward (1: all)")
+    p.add_argument("--batch", type=positive, help="sequences per micro-step per GPU (default 16; 8 on CPU)")
+    p.add_argument("--seq", type=positive, help="context length (default 1024; 64 on CPU)")
+    p.add_argument("--steps", type=positive, help="optimizer steps, the span of the schedule (default 200; 50 on CPU)")
+    p.add_argument("--stop-after", type=positive, metavar="STEP", help="stop when the run reaches this step (counted "
+                   "from the run's start, also after --resume), as if interrupted")
+    p.add_argument("--grad-accum", type=positive, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--lr", type=float_in(0), default=6e-4, help="peak learning rate")
+    p.add_argument("--warmup", type=int_in(0), default=20, help="linear warm-up steps")
+    p.add_argument("--min-lr", type=float_in(0), help="final learning rate of the cosine decay (default lr/10)")
+    p.add_argument("--weight-decay", type=float_in(0), default=0.1)
+    p.add_argument("--grad-clip", type=float_in(0), default=1.0, help="clip the global grad norm (0: off)")
+    p.add_argument("--eval-every", type=positive, default=50, help="val loss every N steps (and at the end)")
+    p.add_argument("--eval-steps", type=positive, default=10, help="val batches per evaluation (at most all of val)")
+    p.add_argument("--sample", type=int_in(0), default=0, metavar="N", help="print N generated tokens at the end")
     p.add_argument("--data", help="training text (default: input.txt next to gpt.py); the last 10%% is validation")
     p.add_argument("--ckpt", help="checkpoint path, written at every evaluation, at the end and on Ctrl-C")
     p.add_argument("--resume", action="store_true", help="continue from --ckpt")
     p.add_argument("--overwrite", action="store_true", help="start over, replacing the checkpoint at --ckpt")
+    p.add_argument("--nvtx", action="store_true", help="NVTX ranges (step, forward, backward, optimizer step; naive "
+                   "attention's stages) for nsys profile --trace=cuda,nvtx; CUDA only, ignored on the CPU")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if present)")
     p.add_argument("--seed", type=int, default=1337)
-    args = p.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)  # for the resume command printed on Ctrl-C
-    return args
+    return p.parse_args(argv)
+
+@dataclass(frozen=True)
+class Run:
+    """The run's settings: the flags with the device's defaults filled in, made once in main and passed down."""
+    model: str
+    vocab: int
+    batch: int
+    seq: int
+    steps: int
+    last: int  # the loop stops before this step: --steps, or --stop-after
+    stop_after: int
+    grad_accum: int
+    lr: float
+    min_lr: float
+    warmup: int
+    weight_decay: float
+    grad_clip: float
+    eval_every: int
+    eval_steps: int
+    bf16: bool
+    fp16: bool
+    tf32: bool
+    fp8: int
+    fused_ce: bool
+    compile: bool
+    attn: str
+    fsdp: bool
+    recompute: int
+    sample: int
+    seed: int
+    data: str
+    ckpt: str
+    resume: bool
+    argv: tuple  # the command line, repeated by the resume command printed on Ctrl-C
+
+def settings(args, argv, device):
+    """The flags as a Run, with the defaults of this device (GPU: the headline run; CPU: seconds)."""
+    min_lr = args.lr / 10
+    if args.min_lr is not None:
+        min_lr = args.min_lr
+    if min_lr > args.lr:
+        raise ValueError(f"--min-lr {min_lr} must be between 0 and --lr {args.lr}")
+    steps = args.steps or on_device(device, cpu=50, gpu=200)
+    last = steps
+    if args.stop_after is not None:
+        last = min(steps, args.stop_after)
+    return Run(model=args.model or on_device(device, cpu="tiny", gpu="gpt2"), vocab=args.vocab,
+               batch=args.batch or on_device(device, cpu=8, gpu=16),
+               seq=args.seq or on_device(device, cpu=64, gpu=1024), steps=steps, last=last,
+               stop_after=args.stop_after, grad_accum=args.grad_accum, lr=args.lr,
+               min_lr=min_lr, warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+               eval_every=args.eval_every, eval_steps=args.eval_steps, bf16=args.bf16, fp16=args.fp16,
+               tf32=args.tf32, fp8=args.fp8, fused_ce=not args.no_fused_ce, compile=args.compile, attn=args.attn,
+               fsdp=args.fsdp, recompute=args.recompute or 0, sample=args.sample, seed=args.seed, data=args.data,
+               ckpt=args.ckpt, resume=args.resume, argv=tuple(argv))
 
 def check_flags(args):
-    """Value ranges, before anything starts (ValueError)."""
-    positive = ("batch", "seq", "steps", "grad_accum", "eval_every", "eval_steps", "stop_after", "recompute", "lr")
-    for flag in positive + ("warmup", "weight_decay", "grad_clip", "sample", "fp8", "min_lr"):
-        value, name = getattr(args, flag), "--" + flag.replace("_", "-")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value}")
-        if value is not None and (value <= 0 if flag in positive else value < 0):
-            raise ValueError(f"{name} {'must be positive' if flag in positive else 'cannot be negative'}, got {value}")
-    args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
-    if not 0 <= args.min_lr <= args.lr:
-        raise ValueError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
+    """Combinations, and the checkpoint path, before anything starts (ValueError)."""
     amp_dtype(args.bf16, args.fp16)  # raises if both
     if args.fsdp and args.fp16:
         raise ValueError("--fsdp runs in bf16 or fp32 here; fp16 would need a sharded GradScaler")
@@ -442,115 +523,144 @@ def check_flags(args):
     if args.resume and args.ckpt is None:
         raise ValueError("--resume needs --ckpt PATH, the checkpoint to continue")
     if args.ckpt is not None:  # never write over a file that is not one of our checkpoints
-        check_output_path(args.ckpt, "--ckpt", ours=None if args.resume else is_checkpoint)
+        ours = is_checkpoint
+        if args.resume:
+            ours = None
+        check_output_path(args.ckpt, "--ckpt", ours=ours)
     if args.resume and not os.path.isfile(args.ckpt):
         raise ValueError(f"--resume needs an existing --ckpt file, and '{args.ckpt}' does not exist")
     if args.ckpt and os.path.isfile(args.ckpt) and not (args.resume or args.overwrite):  # nor over a run of ours
         raise ValueError(f"--ckpt {args.ckpt} already holds a checkpoint: continue it with --resume, or start over "
                          "with --overwrite or another --ckpt")
 
-def check_run(args, world, device):
-    """Device-dependent defaults and checks, the data and the checkpoint to resume: (config,
-    (train, val, eval plan), checkpoint state or None), or a ValueError."""
-    on_cpu = device.type == "cpu"
-    for name, cpu_gpu in {"model": ("tiny", "gpt2"), "batch": (8, 16), "seq": (64, 1024), "steps": (50, 200)}.items():
-        if getattr(args, name) is None:
-            setattr(args, name, cpu_gpu[not on_cpu])
-    config = make_config(args.model, vocab_size=args.vocab, attn=args.attn, fused_ce=not args.no_fused_ce)
-    if args.recompute is not None and args.recompute > config.n_layer:
-        raise ValueError(f"--recompute {args.recompute} is above the {config.n_layer} layers of '{args.model}'")
-    config.recompute = args.recompute or 0
-    if args.seq > config.block_size:
-        raise ValueError(f"--seq {args.seq} is above the block size {config.block_size} of '{args.model}'")
-    if args.fp16 and device.type != "cuda":
+def check_model(run, device):
+    """The model's config, or a ValueError: sizes within the preset, the device able to run the flags."""
+    config = make_config(run.model, vocab_size=run.vocab, attn=run.attn, fused_ce=run.fused_ce)
+    if run.recompute > config.n_layer:
+        raise ValueError(f"--recompute {run.recompute} is above the {config.n_layer} layers of '{run.model}'")
+    config.recompute = run.recompute
+    if run.seq > config.block_size:
+        raise ValueError(f"--seq {run.seq} is above the block size {config.block_size} of '{run.model}'")
+    if run.fp16 and device.type != "cuda":
         raise ValueError("--fp16 needs a CUDA GPU (its GradScaler is CUDA-only here); use --bf16 on the CPU")
-    if on_cpu and args.attn in ("cudnn", "efficient", "triton"):
-        raise ValueError(f"--attn {args.attn} needs a CUDA GPU")
-    if args.fp8 is not None and not fp8_supported(device):
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+    if device.type == "cpu" and run.attn in GPU_ONLY_ATTENTION:
+        raise ValueError(f"--attn {run.attn} needs a CUDA GPU")
+    if run.fp8 is not None and not fp8_supported(device):
+        name = "the CPU"
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
         raise ValueError(f"--fp8 needs a GPU with FP8 tensor cores (H100, H200, Ada), and {name} has none")
-    if args.fp8 is not None and not args.bf16:
+    if run.fp8 is not None and not run.bf16:
         raise ValueError("--fp8 needs --bf16: the layers around the FP8 matmuls run in bf16")
+    return config
 
-    if args.data and os.path.isdir(args.data):
-        raise ValueError(f"--data {args.data} is a directory; give the text file itself")
-    tokens = load_tokens(args.data) if args.data else load_tokens()
+def check_data(run, world):
+    """(train tokens, val tokens, eval plan (rows, batches)), or a ValueError when a step or val does not fit."""
+    if run.data and os.path.isdir(run.data):
+        raise ValueError(f"--data {run.data} is a directory; give the text file itself")
+    tokens = load_tokens()
+    if run.data:
+        tokens = load_tokens(run.data)
     train_tokens, val = tokens[: int(0.9 * len(tokens))], tokens[int(0.9 * len(tokens)) :]  # the last 10%: validation
-    window = args.batch * args.seq * world  # tokens one micro-step reads across the ranks
+    window = run.batch * run.seq * world  # tokens one micro-step reads across the ranks
     if window + 1 > len(train_tokens):
         raise ValueError(f"the training split holds {len(train_tokens):,} tokens, fewer than one step's "
                          f"batch x seq x processes = {window:,}; lower --batch or --seq, or use more text")
-    rows = min(args.batch, (len(val) - 1) // (args.seq * world))  # sequences per rank that fit in val
+    rows = min(run.batch, (len(val) - 1) // (run.seq * world))  # sequences per rank that fit in val
     if rows == 0:
-        raise ValueError(f"the validation split holds {len(val):,} tokens, fewer than --seq {args.seq} x "
+        raise ValueError(f"the validation split holds {len(val):,} tokens, fewer than --seq {run.seq} x "
                          f"{world} process(es); lower --seq or use more text")
-    eval_plan = (rows, min(args.eval_steps, (len(val) - 1) // (rows * args.seq * world)))
-    if on_cpu:
-        check_host_memory(step_bytes(config, args.batch, args.seq, args.bf16),
-                          f"model {args.model} at batch {args.batch} x seq {args.seq}")
+    return train_tokens, val, (rows, min(run.eval_steps, (len(val) - 1) // (rows * run.seq * world)))
 
-    state = read_checkpoint(args.ckpt, args, world) if args.resume else None
-    args.last = min(args.steps, args.stop_after or args.steps)  # the loop runs up to here
-    if state is not None and state["step"] >= args.last:
-        stop = f" --stop-after {args.stop_after} (a step of the run, not a count)" if args.stop_after else ""
-        raise ValueError(f"{args.ckpt} is at step {state['step']}: nothing left to run with --steps {args.steps}{stop}")
-    if state is not None and state.get("precision", precision_of(args)) != precision_of(args):
-        args.note = f"note: {args.ckpt} was trained in {state['precision']}; this run continues in {precision_of(args)}"
-    return config, (train_tokens, val, eval_plan), state
+def check_resume(run, world):
+    """(checkpoint state or None, a note to print or None), or a ValueError when it cannot continue this run."""
+    if not run.resume:
+        return None, None
+    state = read_checkpoint(run.ckpt, run, world)
+    if state["step"] >= run.last:
+        stop = ""
+        if run.stop_after:
+            stop = f" --stop-after {run.stop_after} (a step of the run, not a count)"
+        raise ValueError(f"{run.ckpt} is at step {state['step']}: nothing left to run with --steps {run.steps}{stop}")
+    before = state.get("precision", precision_of(run))
+    if before != precision_of(run):
+        return state, f"note: {run.ckpt} was trained in {before}; this run continues in {precision_of(run)}"
+    return state, None
 
-def init_distributed(args):
+def init_distributed(fsdp, device_name):
     """(rank, world, device); torchrun sets RANK, WORLD_SIZE and LOCAL_RANK."""
     if "RANK" not in os.environ:
-        if args.fsdp:
+        if fsdp:
             raise ValueError("--fsdp shards the model across processes: run it under torchrun --nproc_per_node=2")
-        return 0, 1, resolve_device(args.device)
+        return 0, 1, resolve_device(device_name)
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    if args.fsdp and world < 2:
+    if fsdp and world < 2:
         raise ValueError("--fsdp with one process shards nothing: use --nproc_per_node=2 or more")
-    device = resolve_device(args.device)
-    if cuda := device.type == "cuda":
-        if local >= torch.cuda.device_count():
-            raise ValueError(f"local rank {local} has no GPU: this machine has {torch.cuda.device_count()}")
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    device = resolve_device(device_name)
+    if device.type != "cuda":
+        dist.init_process_group("gloo")
+        return rank, world, device
+    if local >= torch.cuda.device_count():
+        raise ValueError(f"local rank {local} has no GPU: this machine has {torch.cuda.device_count()}")
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
     return rank, world, device
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parse_args(argv)
-    world, quiet = 1, os.environ.get("RANK", "0") != "0"  # under torchrun, rank 0 speaks for all
+    world, device, quiet = 1, None, os.environ.get("RANK", "0") != "0"  # under torchrun, rank 0 speaks for all
     try:
         check_flags(args)
-        rank, world, device = init_distributed(args)
-        config, data, state = check_run(args, world, device)
+        rank, world, device = init_distributed(args.fsdp, args.device)
+        run = settings(args, argv, device)
+        config = check_model(run, device)
+        data = check_data(run, world)
+        if device.type == "cpu":  # refused here, not ended by the OOM killer without a word
+            check_host_memory(step_bytes(config, run.batch, run.seq, run.bf16),
+                              f"model {run.model} at batch {run.batch} x seq {run.seq}")
+        state, note = check_resume(run, world)
+        gpt.NVTX = args.nvtx and device.type == "cuda"  # torch.cuda.nvtx needs a CUDA build
         if rank == 0:
-            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "no CUDA"
-            note = " -- tiny preset and short context unless you chose sizes" if device.type == "cpu" else ""
-            print(f"device: {device} ({name}){note}")
-            if getattr(args, "note", None):
-                print(args.note)
-        train(args, config, data, state, rank, world, device)
+            print(device_line(device, args.nvtx))
+            if note:
+                print(note)
+        train(run, config, data, state, rank, world, device)
         if world > 1:  # every rank past its last collective (and rank 0's save) before the group is torn down:
             dist.barrier()  # gloo threads still holding work at interpreter exit abort the process
     except (ValueError, FileNotFoundError) as e:  # every rank meets the same one
-        raise SystemExit(2) if quiet else fail(str(e))
+        if quiet:
+            raise SystemExit(2) from None
+        fail(str(e))
     except FloatingPointError as e:
         if not quiet:
             print(f"stopped: {e}")
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         print("interrupted outside the training loop: nothing more to save", file=sys.stderr)
-        raise SystemExit(130)
+        raise SystemExit(130) from None
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_oom(e):
             raise
-        where = " in host memory" if device.type != "cuda" else \
-            f" in the {gib(torch.cuda.get_device_properties(device).total_memory)} GiB of {device}"
-        fail(f"out of memory: model {args.model} at batch {args.batch} x seq {args.seq} does not fit{where}; "
+        fail(f"out of memory: model {run.model} at batch {run.batch} x seq {run.seq} does not fit{memory_of(device)}; "
              f"lower --batch, or add --recompute 1, --fsdp or --bf16")
     finally:
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+def device_line(device, nvtx):
+    if device.type == "cuda":
+        return f"device: {device} ({torch.cuda.get_device_name(device)})"
+    line = f"device: {device} (no CUDA) -- tiny preset and short context unless you chose sizes"
+    if nvtx:
+        line += "; --nvtx ignored (NVTX ranges need CUDA)"
+    return line
+
+def memory_of(device):  # where an OOM ran out
+    if device.type != "cuda":
+        return " in host memory"
+    return f" in the {gib(torch.cuda.get_device_properties(device).total_memory)} GiB of {device}"
 
 if __name__ == "__main__":
     main()
