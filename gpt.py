@@ -441,6 +441,7 @@ def clip_gradients(model, optimizer, max_norm):  # the global norm; gradients sc
 def no_mark(phase):  # train_step's mark when none is given
     return None
 
+
 def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, mark=None, *, lr=None, no_sync=None,
                return_norm=False):
     """One optimizer step; the loss comes back as a GPU tensor, nothing waits. x, y: a batch, or lists of
@@ -483,6 +484,7 @@ def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, m
     if return_norm:
         return total, norm
     return total
+
 
 # --- 7. FLOPs and MFU
 

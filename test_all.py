@@ -33,7 +33,6 @@ import tempfile
 import threading
 import time
 import traceback
-import types
 import unittest.mock
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -48,7 +47,6 @@ import ddp
 import gpt
 import memory
 import precision
-import train
 
 HAS_CUDA = torch.cuda.is_available()
 
