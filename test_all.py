@@ -535,8 +535,11 @@ def test_bench_attention_sweep_saved_bytes_and_script():
                           "--steps", "1", "--warmup", "1", "--dtype", "fp32", "--causal", "--device", "cpu"])
     device = torch.device("cpu")
     sweep = ba.sweep_from(args, device)
-    results, _ = ba.run_sweep(sweep, ba.make_impls(sweep.impls, device), device)
+    with contextlib.redirect_stderr(io.StringIO()) as progress:  # a line per configuration, on stderr
+        results, _ = ba.run_sweep(sweep, ba.make_impls(sweep.impls, device), device)
     assert set(results) == {(16, 32), (16, 64)}, results
+    lines = progress.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["[1/2", "[2/2"] and "D=16 S=64: naive ok" in lines[1], lines
     for row in results.values():
         for t in (row[name][mode] for name in ("naive", "flash", "math") for mode in ("fwd", "both")):
             assert 0 < t.low <= t.median <= t.high and t.ratio_low <= t.ratio <= t.ratio_high, t
@@ -552,6 +555,20 @@ def test_bench_attention_sweep_saved_bytes_and_script():
                            "--steps", "1", "--dtype", "fp32", *plot)
         assert out.strip().splitlines()[-1].startswith("summary:"), out + err
         assert "rounds" in out and "saved pred" in out and (not plot or os.path.getsize(plot[1]) > 0), out
+        assert HAS_CUDA or out.startswith("CPU smoke run, not a measurement"), out  # said first, before any timing
+        assert "configurations: 1 (1 head dims x 1 sequence lengths)" in out and "[1/1, " in err, out + err
+
+PROFILE_MATH_SDPA = """
+import torch
+import bench_attention as ba
+q, k, v, dout = ba.random_qkv(1, 1, 16, 16, torch.float32, torch.device("cpu"))
+print(ba.sdpa_ops_in(ba.ATTENTION["math"], q, k, v, dout))
+"""
+
+def test_bench_attention_profiler_finds_sdpa_quietly():
+    # a fresh process: the profiler's library prints from C++ straight to the process's stderr
+    p = run("-c", PROFILE_MATH_SDPA)
+    assert "scaled_dot_product" in p.stdout and "USDT" not in p.stderr, p.stdout + p.stderr
 
 def test_bench_attention_bad_input():
     check_bad_inputs("bench_attention.py", [
