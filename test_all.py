@@ -628,6 +628,10 @@ def test_precision_cpu_accumulate_autocast_layernorm_fp8():
     s = 448 / t.abs().max()
     direct = ((t * s).to(E4M3).float() / s - t).norm() / t.norm()
     assert abs(round_trip(t, E4M3)[0] - direct.item()) < 1e-6 * direct.item()
+    slow = gpt.Timing(40.0, 39.0, 41.0, ratio=40.0)  # 40 times fp32's time: 0.025x its speed, not 0.0x
+    largest = {"fp32 ieee": (gpt.Timing(1.0, 1.0, 1.0, ratio=1.0), 0.0), "tf32": (None, None), "bf16": (slow, 0.0),
+               "fp16": (None, None)}
+    assert precision.speedups(largest, False) == "tf32 n/a (CUDA-only), bf16 0.025x, fp16 n/a (out of memory)"
     got = precision.capture_linear_tensors("tiny", 1, 16, torch.device("cpu"))  # hooks see (softmax - onehot) / N
     assert len(got) == 10 and got["lm_head output grad"].shape == (16, 50257), list(got)
     assert got["lm_head output grad"].sum(1).abs().max() < 1e-6
