@@ -1003,8 +1003,15 @@ def flash_interpreted():
                  ((1, 1, 100, 64), (1, 1, 100, 64), True), ((2, 1, 2, 33, 16), (2, 1, 2, 33, 16), False)])
     out, err = main_ok("flash_triton.py")  # without a GPU: the kernels against the PyTorch reference
     assert out.strip().endswith(": ok"), out + err
+    out, err = main_ok("flash_triton.py", "--shapes", "1x2x64x16,1x1x40x64")  # --shapes: the shapes checked
+    assert "B1 H2 S64 D16 fp32: within" in out and "at 2 shape(s)" in out and out.strip().endswith(": ok"), out + err
     bad = ["--shapes 1x16x1024", "--shapes 1x16x1024x48", "--shapes 0x1x64x64", "--repeats 0"]
     check_bad_inputs("flash_triton.py", [(a, a.split()[0]) for a in [*bad, "--plot /nonexistent/a.png"]])
+    check_bad_inputs("flash_triton.py", [  # flags the interpreter cannot honour stop rather than go unheard
+        ("--shapes 1x16x16384x64", "too large for the CPU interpreter"),
+        ("--shapes 1x2x64x16,1x4x1024x64", "--shapes 1x4x1024x64 is too large"),
+        ("--repeats 3", "nothing is timed"),
+        ("--shapes 1x2x64x16 --repeats 2", "--repeats times the GPU benchmark")])
     x = torch.randn(1, 2, 8, 16)
     for args, says in [((torch.randn(1, 2, 8, 48),) * 3, "head dim 48"), ((x, x.half(), x), "dtype"),
                        ((x, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), True), "causal"),
@@ -1040,7 +1047,8 @@ def flash_grid_interpreted():
         ("--grid --seqs 128,x", "'x' is not a whole number"), ("--grid --dims 48", "head dim 48 is not supported"),
         ("--grid --dims 64,-1", "not a whole number"), ("--grid --dtypes fp64", "'fp64' is not one of"),
         ("--grid --passes fwd,sideways", "'sideways' is not one of"), ("--seqs 128", "add --grid"),
-        ("--grid --shapes 1x1x64x64", "--shapes"), ("--grid --plot /nonexistent/a.png", "--plot")])
+        ("--grid --shapes 1x1x64x64", "--shapes"), ("--grid --plot /nonexistent/a.png", "--plot"),
+        ("--grid --repeats 3", "the grid times each cell once")])
 
 def test_flash_grid_interpreter_cells_oom_bad_input():
     run("-c", "import test_all; test_all.flash_grid_interpreted()", timeout=300, TRITON_INTERPRET="1")
