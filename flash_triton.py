@@ -841,7 +841,7 @@ def plot_problem(path, grid):  # why --plot cannot write `path`, checked before 
 
 
 CHECK_SHAPE = (2, 3, 80, 32, "fp32")  # the interpreter's default check: ragged tiles, several heads
-INTERPRETER_WORK = 2**20  # most B*H*S^2 a --shapes check may cost under the interpreter: 1x4x512 took 20 s
+INTERPRETER_WORK = 2**20  # most B*H*S^2 a --shapes check may cost on the interpreter: 1x4x512 took 20 s, 2 cores
 
 
 def parse_args(argv):
