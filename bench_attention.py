@@ -481,7 +481,7 @@ def main(argv=None):
     if device.type == "cuda":
         print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}")
     else:  # a CPU shares its cores with everything else: its timings have moved 50x between two runs
-        print(f"CPU smoke run, not a measurement: no CUDA GPU, so a tiny sweep in seconds whose timings can move "
+        print(f"CPU smoke run, not a measurement: a tiny sweep that finishes in seconds, with timings that can move "
               f"tens of times between runs; torch {torch.__version__}")
     print(f"batch {sweep.batch}, heads {sweep.heads}, D {sweep.d}, S {sweep.seq}, {sweep.dtype}, causal; "
           f"{sweep.rounds} rounds of {sweep.steps} steps after {sweep.warmup} warm-up; fp32 matmuls use torch's "
