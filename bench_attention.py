@@ -6,7 +6,7 @@ sequences run out of memory; fused kernels (SDPA's flash / cuDNN / mem-efficient
 Triton kernel) keep only O(S) statistics and recompute the rest in backward. The implementations
 are gpt.py's own (causal, as the model uses them), plus naive attention under torch.compile.
 
-    python bench_attention.py                          # batch 8, 1 head, D 16..128 x S 256..16384, bf16
+    python bench_attention.py                          # batch 8, 1 head, D 16..128 x S 256..16384, bf16: minutes
     python bench_attention.py --dtype fp32             # the same sweep in fp32
     python bench_attention.py --impl naive,flash --d 64 --seq 1024,4096
     python bench_attention.py --memory-fraction 0.05   # cap the GPU memory to see OOM cells
@@ -14,8 +14,12 @@ are gpt.py's own (causal, as the model uses them), plus naive attention under to
 """
 
 import argparse
+import logging
 import os
 import re
+import sys
+import time
+import warnings
 from dataclasses import dataclass
 from functools import partial
 
@@ -73,6 +77,14 @@ def compiled_naive():
     static (automatic dynamic shapes would make it symbolic on the first recompile): the scale
     1/sqrt(D) would then be a symbol and Inductor's SDPA pattern stops matching. A cell is marked
     * where the profiler saw that Inductor replaced the function with an SDPA kernel."""
+    # Inductor may split a long softmax reduction and then builds the plain softmax kernels instead of its
+    # online-softmax one; it warns each time. Harmless: the result is the same softmax, and the timer measures
+    # whatever kernels Inductor chose. The message starts with a newline, hence the leading \s*.
+    warnings.filterwarnings("ignore", message=r"\s*Online softmax is disabled on the fly", category=UserWarning)
+    # Dynamo drops gpt.naive_attention's record_function ranges (kept for bench_e2e.py's eager profile) from the
+    # graph, and says so; the compiled function is the same either way.
+    for name in ("torch._dynamo.variables.ctx_manager", "torch._dynamo.variables.torch"):
+        logging.getLogger(name).addFilter(not_a_profiler_notice)
     config = torch._dynamo.config
     config.automatic_dynamic_shapes = False
     setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", 64)
@@ -83,6 +95,10 @@ def compiled_naive():
             torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2)  # the sequence dimension
         return compiled(q, k, v)
     return run
+
+
+def not_a_profiler_notice(record):  # a logging filter: False drops Dynamo's "Profiler ... will be ignored"
+    return not record.getMessage().startswith("Profiler ")
 
 
 def random_qkv(B, H, S, D, dtype, device, seed=0):
@@ -138,6 +154,9 @@ SDPA_KERNEL = re.compile(r"scaled_dot_product|flash|fmha|efficient_attention|cud
 def sdpa_ops_in(fn, q, k, v, dout):
     """Names of SDPA ops that ran in one forward+backward of fn. Inductor's pattern matcher can
     rewrite matmul-softmax-matmul into an SDPA call; the profiler shows what really ran."""
+    # Kineto, the profiler's library, prints "USDT: ... profiler_start/stop" at each profile unless its log level
+    # is above every level (6); read when the first profile starts. Only op names are wanted here.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn(q, k, v).backward(dout)
         synchronize(q.device)
@@ -242,13 +261,16 @@ def run_sweep(sweep, impls, device):
     out of memory in the timer's warm-up), "OOM", or ("n/a", reason); and {impl: first reason for n/a}."""
     results, notes = {}, {}
     configs = [(D, S) for D in sweep.d for S in sweep.seq]
+    start = time.perf_counter()
     for i, (D, S) in enumerate(configs, 1):
         row = results[D, S] = run_config(sweep, impls, device, D, S)
         free_memory()
         for name, cell in row.items():
             if isinstance(cell, tuple):
                 notes.setdefault(name, cell[1])
-        print(f"[{i}/{len(configs)}] D={D} S={S}: " + ", ".join(f"{n} {status(c)}" for n, c in row.items()),
+        # progress on stderr: stdout keeps the tables alone
+        done = ", ".join(f"{n} {status(c)}" for n, c in row.items())
+        print(f"[{i}/{len(configs)}, {time.perf_counter() - start:.0f} s] D={D} S={S}: {done}", file=sys.stderr,
               flush=True)
     return results, notes
 
@@ -429,6 +451,18 @@ def check_cpu_memory(sweep):  # naive's peak and the inputs: the most any implem
                       "lower --batch, --heads or --seq")
 
 
+def sweep_plan(sweep, n_impls, device):
+    """One line before the sweep: how much work it is, and the flags that narrow it."""
+    n = len(sweep.d) * len(sweep.seq)
+    line = (f"configurations: {n} ({len(sweep.d)} head dims x {len(sweep.seq)} sequence lengths), each timing "
+            f"{n_impls} implementations, a progress line each (stderr)")
+    if device.type == "cuda" and (sweep.d, sweep.seq) == (GPU_SWEEP["d"], GPU_SWEEP["seq"]):
+        line += "; the default takes minutes on an H100 (its first 10 configurations took over 2)"
+    if n > 4:
+        line += "; --d and --seq narrow it, e.g. --d 64 --seq 1024,4096 runs 2"
+    return line
+
+
 def main(argv=None):
     args = parse_args(argv)
     plot = args.plot
@@ -444,13 +478,17 @@ def main(argv=None):
     if sweep.memory_fraction is not None:
         # The caching allocator raises OutOfMemoryError past this fraction of the GPU's memory.
         torch.cuda.set_per_process_memory_fraction(sweep.memory_fraction, device)
-    where = (f"{torch.cuda.get_device_name(device)}" if device.type == "cuda"
-             else "CPU: no CUDA GPU, so a tiny sweep that finishes in seconds instead of the GPU default")
-    print(f"{where}; torch {torch.__version__}; batch {sweep.batch}, heads {sweep.heads}, D {sweep.d}, "
-          f"S {sweep.seq}; {sweep.rounds} rounds of {sweep.steps} steps after {sweep.warmup} warm-up")
-    print(f"{sweep.dtype}, causal; fp32 matmuls use torch's default (TF32 off)")
+    if device.type == "cuda":
+        print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}")
+    else:  # a CPU shares its cores with everything else: its timings have moved 50x between two runs
+        print(f"CPU smoke run, not a measurement: a tiny sweep that finishes in seconds, with timings that can move "
+              f"tens of times between runs; torch {torch.__version__}")
+    print(f"batch {sweep.batch}, heads {sweep.heads}, D {sweep.d}, S {sweep.seq}, {sweep.dtype}, causal; "
+          f"{sweep.rounds} rounds of {sweep.steps} steps after {sweep.warmup} warm-up; fp32 matmuls use torch's "
+          "default (TF32 off)")
     try:
         impls = make_impls(sweep.impls, device)
+        print(sweep_plan(sweep, len(impls), device), flush=True)
         results, notes = run_sweep(sweep, impls, device)
         print_sweep(results, notes, impls, device, sweep)
         if "naive" in impls:

@@ -6,7 +6,7 @@ and the row logsumexp L once. The backward recomputes P from Q, K and L, with on
 per query tile and one owning dK/dV per key tile: no atomics, bitwise deterministic gradients.
 This file imports nothing from the repository: copy it and it runs.
 
-    python flash_triton.py                 # the benchmark (on a CPU: the kernels vs the reference)
+    python flash_triton.py                 # the benchmark (on a CPU: the kernels vs the reference, --shapes too)
     python flash_triton.py --shapes 8x16x2048x64 --plot flash.png
     python flash_triton.py --grid --plot grid.png   # the course's grid: ours, plain PyTorch, SDPA
 
@@ -840,12 +840,16 @@ def plot_problem(path, grid):  # why --plot cannot write `path`, checked before 
     return None
 
 
+CHECK_SHAPE = (2, 3, 80, 32, "fp32")  # the interpreter's default check: ragged tiles, several heads
+INTERPRETER_WORK = 2**20  # most B*H*S^2 a --shapes check may cost on the interpreter: 1x4x512 took 20 s, 2 cores
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", type=comma_list(shape), help="comma-separated BxHxSxD, bf16, e.g. 1x16x16384x64 "
-                   "(default: the targets and fp32)")
-    p.add_argument("--repeats", type=whole_number, default=2, help="times each shape is measured, every "
-                   "implementation in turn")
+                   "(default: the targets and fp32); without a GPU: the shapes the kernels are checked at, in fp32")
+    p.add_argument("--repeats", type=whole_number, help="times each shape is measured, every implementation in turn "
+                   "(default 2)")
     p.add_argument("--plot", help="draw fwd+bwd TFLOP/s per shape (with --grid: ms against S) into this PNG")
     p.add_argument("--grid", action="store_true", help="the course's grid: batch 1, causal, ours vs plain PyTorch "
                    "vs SDPA over every S, D, dtype and pass")
@@ -859,24 +863,52 @@ def parse_args(argv):
         p.error(f"--{narrowing[0]} narrows the grid: add --grid")
     if args.grid and args.shapes:
         p.error("--shapes chooses the benchmark's shapes; the grid takes --seqs and --dims")
+    if args.grid and args.repeats is not None:
+        p.error("--repeats repeats the benchmark; the grid times each cell once, a do_bench median")
     problem = plot_problem(args.plot, args.grid) if args.plot else None
+    if problem:
+        p.error(problem)
+    problem = interpreter_problem(args.shapes, args.repeats) if INTERPRETED else None
     if problem:
         p.error(problem)
     return args
 
 
-def self_check():
-    """No GPU: one small causal case in fp32, the kernels against section 4's reference; exit 1 if they differ."""
-    print("no CUDA GPU: the kernels run under TRITON_INTERPRET=1 against the PyTorch reference; no benchmark")
-    q, k, v, do = torch.randn(4, 2, 3, 80, 32, generator=torch.Generator().manual_seed(0))
+def interpreter_problem(shapes, repeats):  # why the flags ask what the interpreter cannot do; or None
+    if repeats is not None:
+        return "--repeats times the GPU benchmark; without a CUDA GPU nothing is timed (the kernels are checked)"
+    for B, H, S, D, _ in shapes or []:
+        if B * H * S * S > INTERPRETER_WORK:  # the interpreter's time grows with B*H*S^2 (the tiles each head visits)
+            return (f"--shapes {B}x{H}x{S}x{D} is too large for the CPU interpreter: B*H*S^2 = {B * H * S * S:,} is "
+                    f"above {INTERPRETER_WORK:,} (about 20 s); try 1x2x64x16, or run on a CUDA GPU")
+    return None
+
+
+def check_error(B, H, S, D):
+    """The largest relative error of O, L, dQ, dK, dV between the kernels and section 4's reference, causal, fp32."""
+    q, k, v, do = torch.randn(4, B, H, S, D, generator=torch.Generator().manual_seed(0))
     outs = []
     for fn in (FlashAttention, FlashAttentionTorch):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         o = fn.apply(*leaves, True)
         outs.append((o, o.grad_fn.saved_tensors[-1], *torch.autograd.grad(o, leaves, do)))  # O, L, dQ, dK, dV
-    error = max(((a - b).norm() / b.norm()).item() for a, b in zip(*outs))
+    return max(((a - b).norm() / b.norm()).item() for a, b in zip(*outs))
+
+
+def self_check(shapes):
+    """No GPU: small causal cases in fp32 (the interpreter's bf16 dots are not trustworthy), the kernels against
+    section 4's reference, a line per shape; exit 1 if they differ."""
+    print("no CUDA GPU: the kernels run under TRITON_INTERPRET=1 against the PyTorch reference, causal, in fp32; "
+          "no benchmark", flush=True)
+    errors = []
+    for B, H, S, D, _ in shapes:
+        errors.append(check_error(B, H, S, D))
+        verdict = "ok" if errors[-1] < 1e-5 else "FAIL"
+        print(f"  B{B} H{H} S{S} D{D} fp32: within {errors[-1]:.1e}: {verdict}", flush=True)
+    error = max(errors)
     verdict = "ok" if error < 1e-5 else "FAIL"
-    print(f"summary: O, L, dQ, dK, dV within {error:.1e} of the reference (relative): {verdict}")
+    print(f"summary: O, L, dQ, dK, dV at {len(shapes)} shape(s) within {error:.1e} of the reference (relative): "
+          f"{verdict}")
     sys.exit(0 if error < 1e-5 else 1)
 
 
@@ -886,8 +918,8 @@ def main(argv=None):
         grid(args.seqs, args.dims, args.dtypes, args.passes, args.plot)
         return
     if INTERPRETED:
-        self_check()
-    shapes, repeats, plot = args.shapes or SHAPES, args.repeats, args.plot
+        self_check(args.shapes or [CHECK_SHAPE])
+    shapes, repeats, plot = args.shapes or SHAPES, args.repeats or 2, args.plot
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     results = run_benchmark(shapes, repeats)
     if plot:

@@ -231,11 +231,18 @@ def matmul_rows(device, sizes, settings):
         set_tf32(False)
         for mode in MATMUL_MODES:
             t = stats.get(mode)
-            rows.append([n, mode, "n/a", "n/a", "n/a", "n/a (TF32 is CUDA-only)"] if t is None else
-                        [n, mode, t.ms(3), f"{2 * n**3 / t.median / 1e9:.3g}", t.vs(), f"{errors[mode]:.2e}"])
-            if t is not None:
-                largest[mode] = (t, errors[mode])
+            if t is None:  # not timed here (TF32 on a CPU), or out of memory in the timer's warm-up
+                rows.append([n, mode, "n/a" if mode not in ops else "OOM", "n/a", "n/a", not_run(mode, ops)])
+            else:
+                rows.append([n, mode, t.ms(3), f"{2 * n**3 / t.median / 1e9:.3g}", t.vs(), f"{errors[mode]:.2e}"])
+            largest[mode] = (t, errors.get(mode))
     return rows, largest
+
+
+def not_run(mode, ops):  # why a mode of matmul_rows has no time
+    if mode not in ops:
+        return "n/a (TF32 is CUDA-only)"
+    return "n/a (out of memory)"
 
 
 def seeded_model(config, batch, T, device):
@@ -275,15 +282,33 @@ def tf32_memory_rows(settings, device):
     return rows, measured
 
 
+def speedups(largest, cuda):
+    """'tf32 1.9x, bf16 3.7x, ...': each mode's speed over fp32 (the inverse of its paired time ratio) to three
+    significant digits, so a mode 40 times slower reads 0.025x, not 0.0x; n/a and why for a mode without a time."""
+    parts = []
+    for mode in MATMUL_MODES[1:]:
+        t = largest[mode][0]
+        if mode == "tf32" and not cuda:
+            parts.append(f"{mode} n/a (CUDA-only)")
+        elif t is None:
+            parts.append(f"{mode} n/a (out of memory)")
+        elif t.ratio is None:
+            parts.append(f"{mode} n/a (fp32 ran out of memory)")
+        else:
+            parts.append(f"{mode} {1 / t.ratio:.3g}x")
+    return ", ".join(parts)
+
+
 def section_tf32(settings, device):
     sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256)
     rows, largest = matmul_rows(device, sizes, settings)
     print(f"n x n @ n x n, {settings.rounds} rounds of {settings.steps} matmuls per mode")
     print_table(["n", "mode", "ms, median (min-max)", "TFLOP/s", "time vs fp32 (paired)", "rel error vs fp64"], rows)
-    errors = ", ".join(f"{m} {e:.1e}" for m, (_, e) in largest.items())
-    speedups = ", ".join(f"{m} {1 / t.ratio:.1f}x" for m, (t, _) in largest.items() if m != "fp32 ieee")
-    print(f"takeaway (matmul): at n={sizes[-1]}, speed over fp32 {speedups}; relative errors {errors}"
-          + ("." if device.type == "cuda" else "; TF32 and the GPT-step memory table need CUDA."))
+    errors = ", ".join(f"{m} {e:.1e}" for m, (t, e) in largest.items() if t is not None)
+    cuda = device.type == "cuda"
+    print(f"takeaway (matmul): at n={sizes[-1]}, speed over fp32 {speedups(largest, cuda)}; relative errors {errors}"
+          + ("." if cuda else "; TF32 and the GPT-step memory table need CUDA, and a CPU's bf16/fp16 matmul speed "
+             "depends on its own kernels: it says nothing about a GPU's."))
     if device.type != "cuda":
         return
     print("\nGPT training step, TF32 off vs on, after 2 steps (memory only: the step time is section 7's)")

@@ -537,8 +537,11 @@ def test_bench_attention_sweep_saved_bytes_and_script():
                           "--steps", "1", "--warmup", "1", "--dtype", "fp32", "--causal", "--device", "cpu"])
     device = torch.device("cpu")
     sweep = ba.sweep_from(args, device)
-    results, _ = ba.run_sweep(sweep, ba.make_impls(sweep.impls, device), device)
+    with contextlib.redirect_stderr(io.StringIO()) as progress:  # a line per configuration, on stderr
+        results, _ = ba.run_sweep(sweep, ba.make_impls(sweep.impls, device), device)
     assert set(results) == {(16, 32), (16, 64)}, results
+    lines = progress.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["[1/2", "[2/2"] and "D=16 S=64: naive ok" in lines[1], lines
     for row in results.values():
         for t in (row[name][mode] for name in ("naive", "flash", "math") for mode in ("fwd", "both")):
             assert 0 < t.low <= t.median <= t.high and t.ratio_low <= t.ratio <= t.ratio_high, t
@@ -554,6 +557,20 @@ def test_bench_attention_sweep_saved_bytes_and_script():
                            "--steps", "1", "--dtype", "fp32", *plot)
         assert out.strip().splitlines()[-1].startswith("summary:"), out + err
         assert "rounds" in out and "saved pred" in out and (not plot or os.path.getsize(plot[1]) > 0), out
+        assert HAS_CUDA or out.startswith("CPU smoke run, not a measurement"), out  # said first, before any timing
+        assert "configurations: 1 (1 head dims x 1 sequence lengths)" in out and "[1/1, " in err, out + err
+
+PROFILE_MATH_SDPA = """
+import torch
+import bench_attention as ba
+q, k, v, dout = ba.random_qkv(1, 1, 16, 16, torch.float32, torch.device("cpu"))
+print(ba.sdpa_ops_in(ba.ATTENTION["math"], q, k, v, dout))
+"""
+
+def test_bench_attention_profiler_finds_sdpa_quietly():
+    # a fresh process: the profiler's library prints from C++ straight to the process's stderr
+    p = run("-c", PROFILE_MATH_SDPA)
+    assert "scaled_dot_product" in p.stdout and "USDT" not in p.stderr, p.stdout + p.stderr
 
 def test_bench_attention_bad_input():
     check_bad_inputs("bench_attention.py", [
@@ -613,6 +630,10 @@ def test_precision_cpu_accumulate_autocast_layernorm_fp8():
     s = 448 / t.abs().max()
     direct = ((t * s).to(E4M3).float() / s - t).norm() / t.norm()
     assert abs(round_trip(t, E4M3)[0] - direct.item()) < 1e-6 * direct.item()
+    slow = gpt.Timing(40.0, 39.0, 41.0, ratio=40.0)  # 40 times fp32's time: 0.025x its speed, not 0.0x
+    largest = {"fp32 ieee": (gpt.Timing(1.0, 1.0, 1.0, ratio=1.0), 0.0), "tf32": (None, None), "bf16": (slow, 0.0),
+               "fp16": (None, None)}
+    assert precision.speedups(largest, False) == "tf32 n/a (CUDA-only), bf16 0.025x, fp16 n/a (out of memory)"
     got = precision.capture_linear_tensors("tiny", 1, 16, torch.device("cpu"))  # hooks see (softmax - onehot) / N
     assert len(got) == 10 and got["lm_head output grad"].shape == (16, 50257), list(got)
     assert got["lm_head output grad"].sum(1).abs().max() < 1e-6
@@ -1124,8 +1145,15 @@ def flash_interpreted():
                  ((1, 1, 100, 64), (1, 1, 100, 64), True), ((2, 1, 2, 33, 16), (2, 1, 2, 33, 16), False)])
     out, err = main_ok("flash_triton.py")  # without a GPU: the kernels against the PyTorch reference
     assert out.strip().endswith(": ok"), out + err
+    out, err = main_ok("flash_triton.py", "--shapes", "1x2x64x16,1x1x40x64")  # --shapes: the shapes checked
+    assert "B1 H2 S64 D16 fp32: within" in out and "at 2 shape(s)" in out and out.strip().endswith(": ok"), out + err
     bad = ["--shapes 1x16x1024", "--shapes 1x16x1024x48", "--shapes 0x1x64x64", "--repeats 0"]
     check_bad_inputs("flash_triton.py", [(a, a.split()[0]) for a in [*bad, "--plot /nonexistent/a.png"]])
+    check_bad_inputs("flash_triton.py", [  # flags the interpreter cannot honour stop rather than go unheard
+        ("--shapes 1x16x16384x64", "too large for the CPU interpreter"),
+        ("--shapes 1x2x64x16,1x4x1024x64", "--shapes 1x4x1024x64 is too large"),
+        ("--repeats 3", "nothing is timed"),
+        ("--shapes 1x2x64x16 --repeats 2", "--repeats times the GPU benchmark")])
     x = torch.randn(1, 2, 8, 16)
     for args, says in [((torch.randn(1, 2, 8, 48),) * 3, "head dim 48"), ((x, x.half(), x), "dtype"),
                        ((x, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), True), "causal"),
@@ -1161,7 +1189,8 @@ def flash_grid_interpreted():
         ("--grid --seqs 128,x", "'x' is not a whole number"), ("--grid --dims 48", "head dim 48 is not supported"),
         ("--grid --dims 64,-1", "not a whole number"), ("--grid --dtypes fp64", "'fp64' is not one of"),
         ("--grid --passes fwd,sideways", "'sideways' is not one of"), ("--seqs 128", "add --grid"),
-        ("--grid --shapes 1x1x64x64", "--shapes"), ("--grid --plot /nonexistent/a.png", "--plot")])
+        ("--grid --shapes 1x1x64x64", "--shapes"), ("--grid --plot /nonexistent/a.png", "--plot"),
+        ("--grid --repeats 3", "the grid times each cell once")])
 
 def test_flash_grid_interpreter_cells_oom_bad_input():
     run("-c", "import test_all; test_all.flash_grid_interpreted()", timeout=300, TRITON_INTERPRET="1")
