@@ -970,7 +970,6 @@ def checks(args, cuda, cfg):
             (not args.groups or max(args.groups) <= cfg.n_layer,
              f"--groups {max(args.groups or [0])} is larger than the model's {cfg.n_layer} layers"),
             (args.part != "snapshot" or args.out.endswith(".pickle"), f"--out {args.out} must name a .pickle file"),
-            (args.part != "snapshot" or cuda, "snapshot records the CUDA allocator: it needs a CUDA GPU"),
             (not (course and args.model), "give --model or the course's --d-model/--d-ff/--layers/--params, not both"),
             (args.devices % args.tp == 0, f"--devices {args.devices} is not divisible by --tp {args.tp}"),
             (args.part != "parallel" or not args.model or cfg.n_head % args.tp == 0,
@@ -1004,11 +1003,13 @@ def main(argv=None):
             check_output_path(args.out, "--out", ours=lambda path: open(path, "rb").read(1) == b"\x80")
         except ValueError as e:
             fail(str(e))
+        if not cuda:
+            fail("snapshot records the CUDA allocator: it needs a CUDA GPU")
     preset = make_config(model).block_size
     if T > preset:
         print(f"--seq {T} is longer than {model}'s {preset}-token context: its learned position table (wpe) is "
               f"extended to {T} rows, randomly initialised like every weight here (memory and time are measured)")
-    if not cuda and not (args.fsdp or args.ddp):  # (snapshot refused a CPU above; parallel needs no device)
+    if not cuda and not (args.fsdp or args.ddp):  # (snapshot refused the CPU above)
         print(f"no CUDA: {args.part} counts live tensors on the CPU at seconds-long sizes "
               f"(model {model}, batch {B}, seq {T})")
     if args.part == "account" and (args.fsdp or args.ddp):
