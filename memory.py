@@ -583,13 +583,17 @@ def checkpointed(model, scheme, group):  # model(x, y) with its blocks checkpoin
     return partial(model, blocks=checkpointed_blocks(model.h, group, scheme == "nested"))
 
 
-def predicted_peaks(cfg, B, T, dtype, device_type):
-    """{(scheme, group size): predicted peak bytes}, every group size of both schemes and ("none", 0)."""
-    peaks = {("none", 0): account(cfg, B, T, dtype, device_type)["peak"]}
+def predictions(cfg, B, T, dtype, device_type):
+    """{(scheme, group size): account's prediction}, every group size of both schemes and ("none", 0)."""
+    out = {("none", 0): account(cfg, B, T, dtype, device_type)}
     for scheme in SCHEMES:
         for g in range(1, cfg.n_layer + 1):
-            peaks[scheme, g] = account(cfg, B, T, dtype, device_type, groups=g, nested=scheme == "nested")["peak"]
-    return peaks
+            out[scheme, g] = account(cfg, B, T, dtype, device_type, groups=g, nested=scheme == "nested")
+    return out
+
+
+def most_saved(pred):  # the most bytes saved for backward at any moment: what checkpointing shrinks
+    return max(moment.get("saved activations", 0) for moment in pred["moments"].values())
 
 
 def label(scheme, g):
@@ -616,18 +620,25 @@ def measure_checkpointing(model, opt, x, y, dtype, device, variants, rounds):
     return measured
 
 
+def best_of(measured):  # the lowest measured peak; within 1% of it, the fastest
+    fit = {v: (t, peak) for v, (t, peak) in measured.items() if peak is not None}
+    low = min(peak for _, peak in fit.values())
+    return min((v for v, (_, peak) in fit.items() if peak <= 1.01 * low), key=lambda v: fit[v][0].median)
+
+
 def part_checkpoint(device, cfg, B, T, dtype, rounds, sizes):
     """Predicted and measured peak and step time of no checkpointing, then flat and nested groups of each size."""
     cuda, L = device.type == "cuda", cfg.n_layer
-    predicted = predicted_peaks(cfg, B, T, dtype, device.type)
-    best = {scheme: min(range(1, L + 1), key=lambda g: predicted[scheme, g]) for scheme in SCHEMES}
-    if not sizes:  # around each scheme's predicted best, and sqrt(L)
-        near = {1, round(math.sqrt(L))} | {best[s] + i for s in SCHEMES for i in (-1, 0, 1)}
-        sizes = sorted(near & set(range(1, L + 1)))
+    pred = predictions(cfg, B, T, dtype, device.type)
+    best = {scheme: min(range(1, L + 1), key=lambda g: (most_saved(pred[scheme, g]), pred[scheme, g]["peak"]))
+            for scheme in SCHEMES}  # least saved activations, then the lowest peak
+    sizes = sizes or sorted(({1, round(math.sqrt(L))} | {best[s] + i for s in SCHEMES for i in (-1, 0, 1)})
+                            & set(range(1, L + 1)))  # near each scheme's best, and sqrt(L)
     variants = [("none", 0)] + [(scheme, g) for scheme in SCHEMES for g in sizes]
-    print(f"{L} layers (d={cfg.n_embd}), B={B}, T={T}, {'bf16' if dtype else 'fp32'}: predicted best group size "
-          f"flat g={best['flat']} ({gib(predicted['flat', best['flat']])} GiB), nested g={best['nested']} "
-          f"({gib(predicted['nested', best['nested']])} GiB); sqrt(L) = {math.sqrt(L):.1f}; measuring g in {sizes}")
+    print(f"{L} layers (d={cfg.n_embd}), B={B}, T={T}, {'bf16' if dtype else 'fp32'}: least activations predicted "
+          f"for flat g={best['flat']} ({mib(most_saved(pred['flat', best['flat']]))} MiB), nested g={best['nested']} "
+          f"({mib(most_saved(pred['nested', best['nested']]))} MiB); sqrt(L) = {math.sqrt(L):.1f}; measuring g in "
+          f"{sizes}")
     if cuda:
         warm_up_libraries(device, dtype)
     try:
@@ -641,24 +652,23 @@ def part_checkpoint(device, cfg, B, T, dtype, rounds, sizes):
     measured = measure_checkpointing(model, opt, x, y, dtype, device, variants, rounds)
     rows = []
     for v in variants:
-        t, peak = measured[v]
-        err = "n/a" if peak is None else f"{100 * (predicted[v] / peak - 1):+.1f}"
-        rows.append([label(*v), mib(predicted[v]), "OOM" if peak is None else mib(peak), err,
-                     t.ms() if t else "OOM", t.vs() if t else "n/a"])
-    print_table(["checkpointing", "predicted MiB", f"measured MiB ({'allocated' if cuda else 'live tensors'})",
-                 "error %", f"ms/step, median (min-max) of {rounds} rounds", "vs none (paired)"], rows)
-    print("flat g: a run keeps its input and is recomputed whole: about L/g inputs + g whole blocks alive; nested g: "
-          "L/g inputs + g - 1 inputs + one whole block, for a third forward of each block")
-    fit = [v for v in variants if measured[v][1] is not None]
-    if not fit:
+        (t, peak), p = measured[v], pred[v]
+        err = "n/a" if peak is None else f"{100 * (p['peak'] / peak - 1):+.1f}"
+        rows.append([label(*v), mib(most_saved(p)), mib(p["peak"]), p["peak_at"], "OOM" if peak is None else mib(peak),
+                     err, t.ms() if t else "OOM", t.vs() if t else "n/a"])
+    print_table(["checkpointing", "predicted activations MiB", "predicted peak MiB", "predicted peak moment",
+                 f"measured peak MiB ({'allocated' if cuda else 'live tensors'})", "error %",
+                 f"ms/step, median (min-max) of {rounds} rounds", "vs none (paired)"], rows)
+    print("flat g: a run keeps its input and is recomputed whole: L/g inputs + g whole blocks alive at most; nested "
+          "g: L/g + g - 1 inputs + one whole block, for a third forward; past the least, the state sets the peak")
+    if all(peak is None for _, peak in measured.values()):
         print("checkpoint: nothing fit, even nested; lower --batch or --seq")
         return
-    top = min(fit, key=lambda v: measured[v][1])
-    t, none = measured[top][0], measured[("none", 0)]
+    top = best_of(measured)
+    (t, peak), none = measured[top], measured[("none", 0)][1]
     vs_none = f"{t.ratio:.2f}x the time of none" if t.ratio else "none did not fit"
-    print(f"checkpoint: best measured {label(*top)}, {gib(measured[top][1])} GiB "
-          f"(none: {'OOM' if none[1] is None else gib(none[1]) + ' GiB'}), {vs_none}; predicted best "
-          f"flat g={best['flat']}, nested g={best['nested']}")
+    print(f"checkpoint: best {label(*top)}: peak {mib(peak)} MiB (none: {'OOM' if none is None else mib(none)} MiB), "
+          f"{vs_none}; least predicted activations at flat g={best['flat']}, nested g={best['nested']}")
 
 # takeaway: checkpointing trades saved activations for recomputed forwards; nesting trades one more for sqrt(L).
 
