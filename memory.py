@@ -2,16 +2,16 @@
 
 A step holds the weights and AdamW's state (16 bytes per parameter), the activations saved for
 backward, and short-lived buffers whose timing decides the peak. `account` lists what is alive at
-each moment of a step from gpt.py's ops, and is checked byte for byte against live tensors on a CPU
-and against max_memory_allocated on a GPU; `--compile` predicts what torch.compile keeps instead.
+each moment of a step, one function per component, checked against live tensors on a CPU and
+max_memory_allocated on a GPU; `checkpoint` trades activations for recomputation, flat or nested
+(sqrt(L) groups); `parallel` is the course's calculator for collectives, DP, ZeRO, FSDP and TP.
 
     python memory.py account --model gpt2 --seq 1024 --batch 16 --bf16 [--compile]   # predicted vs measured
     python memory.py account --sweep --batch 8 [--model xl] [--unfused]   # gpt2..xl x 128..1024 x fp32/bf16
     python memory.py account --model 2.7B --batch 16 --seq 1024 --bf16 --vocab 50304 --fsdp --compile
-    python memory.py checkpoint --model 2.7B --batch 4 --seq 2048 --bf16   # best checkpoint group size
-    python memory.py parallel [--model xl --world 2]                       # DP, ZeRO-1/2, FSDP per rank
-    python memory.py snapshot --model gpt2 --seq 512 --bf16 --out snap.pickle
-"""
+    python memory.py checkpoint --model xl --batch 4 --seq 2048 --bf16   # flat and nested groups of each size
+    python memory.py parallel --bf16 [--devices 64 --tp 4 | --model xl --tp 5 --devices 10]   # pure arithmetic
+    python memory.py snapshot --seq 2048 --batch 2 --bf16 --phase both --out snap.pickle    # for memory_viz"""
 
 import argparse
 import math
@@ -943,7 +943,7 @@ def parse(argv):
     p.add_argument("--fsdp", action="store_true", help="account: predict a rank of torchrun train.py --fsdp")
     p.add_argument("--ddp", action="store_true", help="account: predict a rank of torchrun train.py (DDP)")
     p.add_argument("--compile", action="store_true", help="account: torch.compile's saved tensors (and measure so)")
-    p.add_argument("--world", type=int_in(2), default=2, help="account --fsdp/--ddp: ranks")
+    p.add_argument("--world", type=int_in(2), help="account --fsdp/--ddp: ranks (default 2)")
     p.add_argument("--device")
     p.add_argument("--sweep", action="store_true", help="account: gpt2..xl x T=128..1024, fp32 and bf16 (CUDA)")
     p.add_argument("--rounds", type=int_in(1), help="checkpoint: interleaved timing rounds (default 5; 2 on a CPU)")
@@ -981,7 +981,9 @@ def checks(args, cuda, cfg):
              f"--groups {max(args.groups or [0])} is larger than the model's {cfg.n_layer} layers"),
             (args.part != "snapshot" or args.out.endswith(".pickle"), f"--out {args.out} must name a .pickle file"),
             (not (course and args.model), "give --model or the course's --d-model/--d-ff/--layers/--params, not both"),
-            (args.devices % args.tp == 0, f"--devices {args.devices} is not divisible by --tp {args.tp}"),
+            (args.world is None or args.part == "account", "--world applies to account (parallel takes --devices)"),
+            (args.part != "parallel" or args.devices % args.tp == 0,
+             f"--devices {args.devices} is not divisible by --tp {args.tp}"),
             (args.part != "parallel" or not args.model or cfg.n_head % args.tp == 0,
              f"--tp {args.tp} does not divide {args.model}'s {cfg.n_head} attention heads"),
             (args.part != "parallel" or args.model or (args.d_ff or XXL[1]) % args.tp == 0,
@@ -1023,7 +1025,7 @@ def main(argv=None):
         print(f"no CUDA: {args.part} counts live tensors on the CPU at seconds-long sizes "
               f"(model {model}, batch {B}, seq {T})")
     if args.part == "account" and (args.fsdp or args.ddp):
-        predict_rank(cfg, B, T, dtype, args.world, args.fsdp, args.compile)
+        predict_rank(cfg, B, T, dtype, args.world or 2, args.fsdp, args.compile)
     elif args.part == "account":
         runs = [(model, T, dtype)]
         if args.sweep:

@@ -765,7 +765,7 @@ def test_memory_bad_input():
             ("account --fsdp --world 1", "--world"), ("account --compile --device cpu", "--compile"),
             ("checkpoint --recompute 1", "recompute"), ("checkpoint --rounds 0", "--rounds"),
             ("checkpoint --groups 0", "--groups"), ("checkpoint --device cpu --groups 2,5", "larger than"),
-            ("account --groups 2", "applies to checkpoint"), ("parallel --fsdp", "apply to account"),
+            ("account --groups 2", "applies to checkpoint"), ("parallel --fsdp", "apply to account"), ("parallel --world 4", "--devices"),
             ("account --sweep --fsdp", "--sweep"), ("parallel --device-gb 0", "device-gb"),
             ("parallel --devices 6 --tp 4", "not divisible"), ("parallel --model gpt2 --tp 5 --devices 5", "does not divide"),
             ("parallel --devices 6 --tp 3", "does not divide d_ff"), ("parallel --model gpt2 --layers 4", "not both"),
@@ -795,7 +795,7 @@ def test_memory_on_the_gpu():
             assert ("position table" in out) == (seq == 2048), out
     out, _ = main_ok("memory.py", "checkpoint", "--model", "gpt2", "--batch", 2, "--seq", 2048, "--groups", "3",
                      "--rounds", 2, "--bf16")
-    assert "best measured" in out and "nested g=3" in out, out
+    assert "checkpoint: best" in out and "nested g=3" in out, out
     check_bad_inputs("memory.py", [("account --model xl --batch 4096 --seq 1024", "predicts batch")])
 
 
