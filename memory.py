@@ -707,7 +707,7 @@ def print_collectives(n, alpha, beta):
     for size in MESSAGE_SIZES:
         ring, tree = ring_all_reduce_s(n, size, alpha, beta), tree_all_reduce_s(n, size, alpha, beta)
         rows.append([f"{size / GB:g}", f"{ring * 1e6:,.1f}", f"{tree * 1e6:,.1f}", "ring" if ring < tree else "tree"])
-    print_table([f"all-reduce of (GB), {n} devices", "ring us", "tree us", "faster"], rows)
+    print_table([f"all-reduce over {n} devices, GB", "ring us", "tree us", "faster"], rows)
     a_us, b_gbs = alpha * 1e6, beta / GB
     print(f"  ring = 2(n-1) a + 2(n-1)/n S/b = {2 * (n - 1)} x {a_us:g} us + {2 * (n - 1) / n:.4f} x S / "
           f"{b_gbs:g} GB/s")
@@ -763,8 +763,8 @@ LAYOUTS = {"DP": (False, 0), "ZeRO-1": (False, 1), "ZeRO-2": (False, 2), "FSDP (
            "TP x DP": (True, 0), "FSDP x TP": (True, 3)}
 
 
-def gb(nbytes):
-    return f"{nbytes / GB:,.2f} GB"
+def gb(nbytes):  # 5 significant digits: enough to check a written answer
+    return f"{nbytes / GB:,.5g} GB"
 
 
 def layout_costs(shape, N, t, stage, B, T, width, alpha, beta):
@@ -776,7 +776,7 @@ def layout_costs(shape, N, t, stage, B, T, width, alpha, beta):
     seqs = B / D
     parts["activations"] = seqs * T * L * (shape.replicated + shape.split / t)
     shares = [f"{nbytes}/{D}" if stage >= first else str(nbytes) for nbytes, first in ((4, 3), (4, 2), (8, 1))]
-    lines = [f"state ({' + '.join(shares)}) B x {P / 1e9:,.4f}e9 params{f' (1/{t} each, TP)' if t > 1 else ''} = "
+    lines = [f"state ({' + '.join(shares)}) B x {P / 1e9:,.5g}e9 params{f' (1/{t} each, TP)' if t > 1 else ''} = "
              f"{gb(sum(parts.values()) - parts['activations'])}",
              f"activations {seqs:g} seq x {T} tok x {L} layers x ({shape.replicated:,g} + {shape.split:,g}/{t}) B = "
              f"{gb(parts['activations'])}"]
@@ -784,12 +784,12 @@ def layout_costs(shape, N, t, stage, B, T, width, alpha, beta):
     if stage == 3:  # per layer: weights gathered in forward and again in backward, gradients reduce-scattered
         sent = (D - 1) / D * (2 * width + 4) * P
         seconds = 2 * L * gather_s(D, width * P / L, alpha, beta) + L * gather_s(D, 4 * P / L, alpha, beta)
-        lines.append(f"FSDP sends ({D}-1)/{D} x (2 x {width} + 4) B x {P / 1e9:,.4f}e9 = {gb(sent)} in 3 x {L} "
+        lines.append(f"FSDP sends ({D}-1)/{D} x (2 x {width} + 4) B x {P / 1e9:,.5g}e9 = {gb(sent)} in 3 x {L} "
                      f"collectives: 3 x {L} x ({D}-1) x {a_us} + {gb(sent)} / {b_gbs} = {seconds * 1e3:,.2f} ms")
     else:  # the fp32 gradients all-reduced as one bucket (ZeRO-1/2: reduce-scatter + all-gather, the same bytes)
         sent = 2 * (D - 1) / D * 4 * P
         seconds = ring_all_reduce_s(D, 4 * P, alpha, beta)
-        lines.append(f"gradient all-reduce sends 2({D}-1)/{D} x 4 B x {P / 1e9:,.4f}e9 = {gb(sent)}: "
+        lines.append(f"gradient all-reduce sends 2({D}-1)/{D} x 4 B x {P / 1e9:,.5g}e9 = {gb(sent)}: "
                      f"2({D}-1) x {a_us} + {gb(sent)} / {b_gbs} = {seconds * 1e3:,.2f} ms")
     if t > 1:  # activations all-reduced inside every layer: B/D sequences x T tokens x d, `width` bytes each
         size, count = seqs * T * shape.d * width, L * shape.tp_all_reduces
