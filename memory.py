@@ -33,7 +33,7 @@ from gpt import (CE_CHUNK_ROWS, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, GPTConfig, 
 PARTS = ("account", "checkpoint", "parallel", "snapshot")
 SWEEP_MODELS = ("gpt2", "medium", "large", "xl")  # "small" has gpt2's shape
 SWEEP_SEQS = (128, 256, 512, 1024)
-GB = 1e9  # the worked example speaks decimal GB, like GPU data sheets
+GB = 1e9  # parallel speaks decimal GB and GB/s, like GPU data sheets and the course
 
 # --- 1. the analytic model: what is alive at each moment of a training step
 
@@ -675,7 +675,6 @@ def part_checkpoint(device, cfg, B, T, dtype, rounds, sizes):
 # --- 5. parallel: the course's calculator, pure arithmetic. A collective costs alpha per step (latency) plus its
 # bytes over beta (bandwidth); then bytes per device and communication per step for DP, ZeRO, FSDP, TP, FSDP + TP
 
-GB = 1e9  # decimal GB and GB/s, like GPU data sheets and the course
 MESSAGE_SIZES = [10 ** k for k in range(3, 11)]  # 1 KB .. 10 GB
 
 
@@ -921,11 +920,16 @@ MAX_SEQ = 1 << 16
 XXL = (16384, 53248, 126)  # the course's worked model: d_model, d_ff, blocks of two linear layers
 
 
+def course_d_ff(d_model, d_ff):  # the course's model: 4 d_model unless given; the worked example's by default
+    if d_ff:
+        return d_ff
+    return 4 * d_model if d_model else XXL[1]
+
+
 def parallel_shape(model, T, overrides, d, d_ff, layers, params, width):  # a preset's, or the course's blocks
     if model:
         return gpt_shape(model, config_of(model, T, **overrides), T, width)
-    d_ff = d_ff or (4 * d if d else XXL[1])
-    return mlp_shape(d or XXL[0], d_ff, layers or XXL[2], params, width)
+    return mlp_shape(d or XXL[0], course_d_ff(d, d_ff), layers or XXL[2], params, width)
 
 
 def parse(argv):
@@ -986,8 +990,8 @@ def checks(args, cuda, cfg):
              f"--devices {args.devices} is not divisible by --tp {args.tp}"),
             (args.part != "parallel" or not args.model or cfg.n_head % args.tp == 0,
              f"--tp {args.tp} does not divide {args.model}'s {cfg.n_head} attention heads"),
-            (args.part != "parallel" or args.model or (args.d_ff or XXL[1]) % args.tp == 0,
-             f"--tp {args.tp} does not divide d_ff {args.d_ff or XXL[1]}")]
+            (args.part != "parallel" or args.model or course_d_ff(args.d_model, args.d_ff) % args.tp == 0,
+             f"--tp {args.tp} does not divide d_ff {course_d_ff(args.d_model, args.d_ff)}")]
 
 
 def main(argv=None):
