@@ -861,8 +861,8 @@ def print_trace_summary(summary, base):
     rows = []
     for phase, (peak, largest) in summary.items():
         for i, (size, where) in enumerate(largest):
-            rows.append([phase if i == 0 else "", gib(base + peak) if i == 0 else "", i + 1, mib(size), where])
-    print_table(["phase", "its peak GiB (allocated)", "#", "allocation MiB", "made at"], rows)
+            rows.append([phase if i == 0 else "", mib(base + peak) if i == 0 else "", i + 1, mib(size), where])
+    print_table(["phase", "its peak MiB (allocated)", "#", "allocation MiB", "made at"], rows)
 
 
 def trace_length(device):  # entries recorded so far; a mark between phases
