@@ -108,8 +108,8 @@ class StepSizes:
         return self.config.n_layer * self.shard(block_shapes(self.config)) + self.shard(root_shapes(self.config))
 
     @property
-    def weight_cache(self):  # autocast's bf16 copies of fp32 weights (under FSDP they arrive in bf16: no copies)
-        return self.matmul == 2 and not self.fsdp
+    def weight_copy(self):  # bytes per weight of autocast's bf16 copies (under FSDP weights arrive in bf16: none)
+        return 2 if self.matmul == 2 and not self.fsdp else 0
 
     @property
     def lm_head_bytes(self):  # lm_head's weight (and so its gradient) as the loss sees it
@@ -217,9 +217,9 @@ def fused_loss_moments(s, alive, saved, n_checkpointed):
     ln_f_out = s.ln * N * d + (mm * N * d if mm != s.ln else 0)
     forward = {**alive, "saved activations": saved, "all-gather buffer (last block)": s.gather_buffer,
                "autocast's bf16 weight cache (checkpointed blocks)":
-                   n_checkpointed * 2 * block_matrices(s.config) * s.weight_cache,
+                   n_checkpointed * block_matrices(s.config) * s.weight_copy,
                "ln_f output (+ bf16 copy)": ln_f_out,
-               "loss: dx, dW (compute dtype), weight copy": s.ln * N * d + mm * V * d + 2 * V * d * s.weight_cache}
+               "loss: dx, dW (compute dtype), weight copy": s.ln * N * d + mm * V * d + V * d * s.weight_copy}
     last_chunk = mm * V * chunk_rows[-1] + 8 * N  # its logits, and every row's loss (fp32) and target
     dw_cast = 4 * V * d if s.lm_head_bytes != mm else 0
     return {"forward: loss chunk": {**forward, "loss: chunk logits and temporaries": chunk_peak},
@@ -234,7 +234,7 @@ def plain_loss_moments(s, alive, saved):
     """lm_head's logits (N V), F.cross_entropy's fp32 log-probs (4 N V, saved) and, in backward, their gradients.
     Returns (moments, bytes the loss saves for backward)."""
     d, V, N, mm = s.config.n_embd, s.config.vocab_size, s.N, s.matmul
-    loss_saved = mm * N * d + 4 * N * V + 4 + 2 * V * d * s.weight_cache  # ln_f output, log-probs, the weight copy
+    loss_saved = mm * N * d + 4 * N * V + 4 + V * d * s.weight_copy  # ln_f output, log-probs, the weight copy
     logits = mm * N * V + (4 * N * V if mm == 2 else 0)  # + the fp32 upcast under autocast
     weight_grads = (6 if mm == 2 else 4) * V * d  # fp32, and its bf16 first under autocast
     return {"forward end": {**alive, "saved activations": saved + loss_saved, "logits + fp32 upcast": logits},
