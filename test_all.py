@@ -622,7 +622,8 @@ def test_bench_e2e_gpu_ladder_peaks_oom():
     check_bad_inputs("bench_e2e.py", [("--model tiny --batch 16384 --seq 256 --mode forward --rounds 1 --profile",
                                        "out of GPU memory in the profiled configuration")])
 
-# --- 6. memory.py: the model against live tensors (one process, DDP and FSDP ranks); parallel; bad input
+# --- 6. memory.py: the model against live tensors (one process, DDP, FSDP, nested checkpoints); snapshot summary;
+# the parallel calculator by hand; bad input
 
 def test_memory_account_exact_on_cpu():
     """memory.account = live tensors counted op by op: state, saved, phase and per-block peaks, in 11 layouts."""
