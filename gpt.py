@@ -210,13 +210,13 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # parameters() counts a tied one once
 
-    def forward(self, idx, targets=None):  # logits detached with a loss: compile would zero-fill their grad each step
+    def forward(self, idx, targets=None, blocks=None):  # logits detached with a loss: compile zero-fills their grad
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than the block size {self.config.block_size}")
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
-        K = self.config.recompute
-        for i, block in enumerate(self.h):  # recompute: keep a block's input, redo its activations in backward
+        K, blocks = self.config.recompute, self.h if blocks is None else blocks  # blocks: x -> x, memory.py's groups
+        for i, block in enumerate(blocks):  # recompute: keep a block's input, redo its activations in backward
             recompute = K and i % K == 0 and torch.is_grad_enabled()
             x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         x = self.ln_f(x)

@@ -2,34 +2,38 @@
 
 A step holds the weights and AdamW's state (16 bytes per parameter), the activations saved for
 backward, and short-lived buffers whose timing decides the peak. `account` lists what is alive at
-each moment of a step from gpt.py's ops, and is checked byte for byte against live tensors on a CPU
-and against max_memory_allocated on a GPU; `--compile` predicts what torch.compile keeps instead.
+each moment of a step, one function per component, checked against live tensors on a CPU and
+max_memory_allocated on a GPU; `checkpoint` trades activations for recomputation, flat or nested
+(sqrt(L) groups); `parallel` is the course's calculator for collectives, DP, ZeRO, FSDP and TP.
 
     python memory.py account --model gpt2 --seq 1024 --batch 16 --bf16 [--compile]   # predicted vs measured
     python memory.py account --sweep --batch 8 [--model xl] [--unfused]   # gpt2..xl x 128..1024 x fp32/bf16
     python memory.py account --model 2.7B --batch 16 --seq 1024 --bf16 --vocab 50304 --fsdp --compile
-    python memory.py checkpoint --model 2.7B --batch 4 --seq 2048 --bf16   # best checkpoint group size
-    python memory.py parallel [--model xl --world 2]                       # DP, ZeRO-1/2, FSDP per rank
-    python memory.py snapshot --model gpt2 --seq 512 --bf16 --out snap.pickle
-"""
+    python memory.py checkpoint --model xl --batch 4 --seq 2048 --bf16   # flat and nested groups of each size
+    python memory.py parallel --bf16 [--devices 64 --tp 4 | --model xl --tp 5 --devices 10]   # pure arithmetic
+    python memory.py snapshot --seq 2048 --batch 2 --bf16 --phase both --out snap.pickle    # for memory_viz"""
 
 import argparse
 import math
+import os
 import weakref
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
-from gpt import (CE_CHUNK_ROWS, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, amp_dtype, autocast, check_host_memory,
-                 check_output_path, compare, compile_model, configure_optimizer, fail, free_memory, gib, is_oom,
-                 linear_cross_entropy, make_config, print_table, resolve_device, run_main, synchronize, train_step)
+from gpt import (CE_CHUNK_ROWS, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, GPTConfig, amp_dtype, autocast,
+                 check_host_memory, check_output_path, compare, compile_model, configure_optimizer, fail, float_in,
+                 free_memory, gib, int_in, int_list, is_oom, make_config, on_device, print_table, resolve_device,
+                 run_main, saved_tensor_bytes, synchronize, train_step)
 
 PARTS = ("account", "checkpoint", "parallel", "snapshot")
 SWEEP_MODELS = ("gpt2", "medium", "large", "xl")  # "small" has gpt2's shape
 SWEEP_SEQS = (128, 256, 512, 1024)
-GB = 1e9  # the worked example speaks decimal GB, like GPU data sheets
+GB = 1e9  # parallel speaks decimal GB and GB/s, like GPU data sheets and the course
 
 # --- 1. the analytic model: what is alive at each moment of a training step
 
@@ -76,131 +80,250 @@ def saved_per_layer(config, B, T, matmul_bytes, ln_bytes=4, resid_bytes=4, cuda=
     return saved
 
 
-def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, ddp=False, compiled=False):
+@dataclass
+class StepSizes:
+    """What every term of `account` is made of: the model, N = B*T tokens, and the widths in bytes of
+      matmul  matmul operands and what they save: 2 under autocast, else 4
+      resid   the residual stream and FSDP's gathered weights: 2 only under FSDP's bf16 compute
+      ln      LayerNorm's input and output: 4 on CUDA (autocast's fp32), the stream's width on the CPU
+    ranks is 1, or FSDP's world (then every parameter is a padded shard: see `numel`)."""
+    config: GPTConfig
+    N: int
+    T: int
+    cuda: bool
+    ranks: int
+    matmul: int
+    resid: int
+    ln: int
+
+    @property
+    def fsdp(self):
+        return self.ranks > 1
+
+    def shard(self, shapes):  # elements of these parameters on this rank
+        return numel(shapes, self.ranks)
+
+    @property
+    def params(self):  # parameters this rank holds: L blocks and the root (wte, wpe, ln_f)
+        return self.config.n_layer * self.shard(block_shapes(self.config)) + self.shard(root_shapes(self.config))
+
+    @property
+    def weight_copy(self):  # bytes per weight of autocast's bf16 copies (under FSDP weights arrive in bf16: none)
+        return 2 if self.matmul == 2 and not self.fsdp else 0
+
+    @property
+    def lm_head_bytes(self):  # lm_head's weight (and so its gradient) as the loss sees it
+        return self.resid if self.fsdp else 4
+
+    @property
+    def gather_buffer(self):  # FSDP: one block's all-gather buffer, every rank's shard
+        return self.resid * self.ranks * self.shard(block_shapes(self.config)) if self.fsdp else 0
+
+
+def sizes_of(config, B, T, dtype, device_type, world):
+    cuda, ranks = device_type == "cuda", max(world, 1)
+    matmul = 4 if dtype is None else 2
+    resid = 2 if ranks > 1 and dtype is not None else 4
+    ln = 2 if resid == 2 and not cuda else 4
+    return StepSizes(config, B * T, T, cuda, ranks, matmul, resid, ln)
+
+
+def block_matrices(config):  # elements of a block's four matrices: c_attn 3d², attn c_proj d², c_fc and c_proj 2df
+    return 4 * config.n_embd ** 2 + 2 * config.n_embd * config.d_ff
+
+
+def state_bytes(s, ddp):
+    """Alive at every moment: fp32 weights 4 P; AdamW's two fp32 moments 8 P and a 4-byte step per tensor
+    (12 L + 4 of them; CUDA's allocator rounds each to 512 bytes); the batch 16 N (int64 idx, targets); under DDP
+    its fp32 gradient buckets 4 P, alive all run. P: the parameters this rank holds."""
+    steps = (12 * s.config.n_layer + 4) * (512 if s.cuda else 4)
+    base = {"weights (fp32)": 4 * s.params, "AdamW moments + step": 8 * s.params + steps,
+            "batch (idx, targets)": 16 * s.N}
+    if ddp:
+        base["DDP gradient buckets (fp32)"] = 4 * s.params
+    return base
+
+
+def gathered_root(s):  # FSDP: wte, wpe and ln_f gathered whole (resid bytes each) for the whole step
+    if not s.fsdp:
+        return {}
+    return {"gathered weights: wte, wpe, ln_f": s.resid * numel(root_shapes(s.config))}
+
+
+def autocast_copies(s):
+    """Weight copies one block keeps for backward under autocast: its matrices in bf16, 2 * block_matrices bytes;
+    under FSDP they arrive in bf16 and only LayerNorm's 4 vectors are upcast to fp32 on CUDA, 4 * 4d bytes."""
+    if s.matmul == 4:  # fp32: no copies
+        return 0
+    if not s.fsdp:
+        return 2 * block_matrices(s.config)
+    if s.ln != s.resid:
+        return 16 * s.config.n_embd
+    return 0
+
+
+def checkpoint_plan(n_layer, recompute, groups):
+    """{block: first block of its checkpointed run}, {} without checkpointing: gpt.py's recompute K checkpoints
+    every K-th block alone; `groups` g checkpoints every run of g consecutive blocks (recomputed together)."""
+    every, size = groups or recompute, groups or 1
+    if not every:
+        return {}
+    return {i: first for first in range(0, n_layer, every) for i in range(first, min(first + size, n_layer))}
+
+
+def kept_per_block(s, plan, block_saved):
+    """What each block keeps from its forward to its backward: a run's first block its input, N d resid bytes;
+    the rest of a checkpointed run nothing; a block outside any run all it saves (block_saved)."""
+    kept = []
+    for i in range(s.config.n_layer):
+        if plan.get(i) == i:
+            kept.append(s.resid * s.N * s.config.n_embd)
+        elif i in plan:
+            kept.append(0)
+        else:
+            kept.append(block_saved)
+    return kept
+
+
+def saved_during(s, b, plan, kept, block_saved, nested):
+    """Saved while block b runs backward: what the blocks below keep, plus b's run recomputed from its first block
+    up to b: (b - first + 1) whole blocks; nested (each block checkpointed again inside the run's recompute) only
+    the inputs of blocks first+1..b, N d resid bytes each, and b whole. The run's input is saved again by LayerNorm
+    when their widths agree (one storage), else it is held on its own."""
+    first = plan.get(b, b)
+    held = kept[first] if b in plan and s.ln != s.resid else 0
+    if nested and b in plan:
+        return sum(kept[:first]) + held + (b - first) * s.resid * s.N * s.config.n_embd + block_saved
+    return sum(kept[:first]) + held + (b - first + 1) * block_saved
+
+
+def head_saved(s):  # ln_f's input (ln N d), its mean and rstd (2 ln N), the positions (8 T), fp32 ln_f weights (8 d)
+    d = s.config.n_embd
+    upcast_weights = 8 * d if s.ln != s.resid else 0
+    return s.ln * s.N * d + 2 * s.ln * s.N + 8 * s.T + upcast_weights
+
+
+def fused_loss_moments(s, alive, saved, n_checkpointed):
+    """gpt.linear_cross_entropy: dx and dW made during the forward, chunk by chunk of CE_CHUNK_ROWS rows. On CUDA the
+    Triton kernel writes each chunk's gradient over its logits (V rows matmul bytes); the CPU path makes fp32
+    temporaries per row: the upcast (under bf16), z - lse and its exp. The previous chunk's logits are still
+    referenced while the next chunk's are made. Returns (moments, bytes the loss saves for backward)."""
+    d, V, N, mm = s.config.n_embd, s.config.vocab_size, s.N, s.matmul
+    loss_saved = s.ln * N * d + s.lm_head_bytes * V * d  # ln_f's output, lm_head's weight
+    chunk_rows = [min(CE_CHUNK_ROWS, N - start) for start in range(0, N, CE_CHUNK_ROWS)]
+    cpu_temps = 0 if s.cuda else (8 + (4 if mm != 4 else 0)) * min(V, GPT2_VOCAB)
+    chunk_peak = max(mm * V * rows + max(mm * V * prev, cpu_temps * rows, mm * rows * d)
+                     for prev, rows in zip([0] + chunk_rows, chunk_rows))
+    ln_f_out = s.ln * N * d + (mm * N * d if mm != s.ln else 0)
+    forward = {**alive, "saved activations": saved, "all-gather buffer (last block)": s.gather_buffer,
+               "autocast's bf16 weight cache (checkpointed blocks)":
+                   n_checkpointed * block_matrices(s.config) * s.weight_copy,
+               "ln_f output (+ bf16 copy)": ln_f_out,
+               "loss: dx, dW (compute dtype), weight copy": s.ln * N * d + mm * V * d + V * d * s.weight_copy}
+    last_chunk = mm * V * chunk_rows[-1] + 8 * N  # its logits, and every row's loss (fp32) and target
+    dw_cast = 4 * V * d if s.lm_head_bytes != mm else 0
+    return {"forward: loss chunk": {**forward, "loss: chunk logits and temporaries": chunk_peak},
+            "forward: loss end": {**forward, "loss: last chunk's logits, per-row losses": last_chunk,
+                                  "loss: dW cast to the weight's dtype": dw_cast},
+            "backward start": {**alive, "saved activations": saved + loss_saved,
+                               "loss gradients dx*g, dW*g": s.ln * N * d + s.lm_head_bytes * V * d,
+                               "all-gather buffer (prefetch)": s.gather_buffer}}, loss_saved
+
+
+def plain_loss_moments(s, alive, saved):
+    """lm_head's logits (N V), F.cross_entropy's fp32 log-probs (4 N V, saved) and, in backward, their gradients.
+    Returns (moments, bytes the loss saves for backward)."""
+    d, V, N, mm = s.config.n_embd, s.config.vocab_size, s.N, s.matmul
+    loss_saved = mm * N * d + 4 * N * V + 4 + V * d * s.weight_copy  # ln_f output, log-probs, the weight copy
+    logits = mm * N * V + (4 * N * V if mm == 2 else 0)  # + the fp32 upcast under autocast
+    weight_grads = (6 if mm == 2 else 4) * V * d  # fp32, and its bf16 first under autocast
+    return {"forward end": {**alive, "saved activations": saved + loss_saved, "logits + fp32 upcast": logits},
+            "backward start": {**alive, "saved activations": saved + loss_saved, "nll + log-softmax grads": 8 * N * V},
+            "backward: lm_head": {**alive, "saved activations": saved + loss_saved - 4 * N * V,
+                                  "logits grad + lm_head weight grad": mm * N * V + weight_grads}}, loss_saved
+
+
+def block_backward_moments(s, b, alive, during, below, block_saved):
+    """Block b's backward: its MLP gradients (dx upcast to the stream, the gelu gradient N f, dW d f) with its whole
+    recomputed or saved activations (`during`); then c_attn's, when only ln_1's tensors are still saved and the
+    block's other gradients exist (under autocast its weight gradients come out of the matmul in bf16, cast to fp32
+    once dqkv is freed). FSDP: this block gathered, the next one's all-gather in flight, the last reduce-scatter
+    kept, and a moment when the block is done, its gradients whole before their reduce-scatter."""
+    L, d, f, N, mm = s.config.n_layer, s.config.n_embd, s.config.d_ff, s.N, s.matmul
+    block_numel, block_shard = numel(block_shapes(s.config)), s.shard(block_shapes(s.config))
+    upcast_dx = mm * N * d if mm != s.resid else 0
+    moment = {**alive, "saved activations": during,
+              "gradients": (L - 1 - b) * 4 * block_shard + 2 * s.resid * d,  # the blocks above, ln_2's
+              "lm_head weight gradient": s.lm_head_bytes * s.config.vocab_size * d,
+              "residual gradient": s.resid * N * d,
+              "block backward: MLP gradients": upcast_dx + mm * N * f + mm * d * f}
+    moments = {}
+    if s.fsdp:
+        moment["gathered weights: block + prefetch"] = s.resid * block_numel + (s.gather_buffer if b else 0)
+        moment["reduce-scatter input (block above)"] = 4 * s.ranks * block_shard if b < L - 1 else 0
+        moments[f"backward: block {b} done"] = {
+            **moment, "saved activations": below, "block backward: MLP gradients": 0,
+            "block gradients (gathered)": s.resid * block_numel,
+            "residual gradient": (2 * s.resid + max(s.resid, s.ln)) * N * d}
+    moments[f"backward: block {b}"] = moment
+    cast_bytes, attn_params = s.lm_head_bytes - mm, 3 * d * d + 3 * d
+    ln_1_saved = (s.ln + mm) * N * d + 2 * s.ln * N
+    bf16_grads = mm * N * d + mm * 3 * d * d - cast_bytes * 3 * d if cast_bytes else 0
+    moments[f"backward: block {b} attention"] = {
+        **moment, "saved activations": during - block_saved + ln_1_saved, "block backward: MLP gradients": 0,
+        "block gradients but ln_1's": s.lm_head_bytes * (block_numel - 2 * d),
+        "c_attn backward: dqkv, dx (+ bf16 gradients)": max(4 * mm * N * d - cast_bytes * attn_params, bf16_grads)}
+    return moments
+
+
+def end_moments(s, base, alive):
+    """Backward's end: every gradient (4 P); wte's arrives twice (lm_head, embedding) and is summed into a third
+    buffer; FSDP then reduce-scatters the root. The optimizer: fused AdamW (CUDA) updates in place; the CPU's loop
+    makes two fp32 temporaries the size of wte's shard, the largest tensor."""
+    L, d, V = s.config.n_layer, s.config.n_embd, s.config.vocab_size
+    grads = 4 * s.params
+    if s.fsdp:
+        block_shard, root_shard = s.shard(block_shapes(s.config)), s.shard(root_shapes(s.config))
+        root_but_wte = numel(root_shapes(s.config)) - V * d
+        moments = {"backward end": {**alive, "gradients": L * 4 * block_shard + s.resid * root_but_wte,
+                                    "wte gradient parts + sum": 3 * s.resid * V * d,
+                                    "reduce-scatter input (block 0)": 4 * s.ranks * block_shard},
+                   "backward end: root reduce-scatter": {**base, "gradients": grads,
+                                                         "reduce-scatter input": 4 * s.ranks * root_shard}}
+    else:
+        moments = {"backward end": {**base, "gradients": grads, "wte gradient parts + sum": 8 * V * d}}
+    adamw_temps = 0 if s.cuda else 8 * -(-V // s.ranks) * d
+    moments["optimizer step"] = {**base, "gradients": grads, "AdamW temporaries (CPU)": adamw_temps}
+    return moments
+
+
+def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, ddp=False, compiled=False, nested=False):
     """Bytes alive at each moment of a steady-state training step, by component, for one process,
     a DDP rank (ddp) or (world > 1) rank 0 of FSDP2: fully_shard per block then the root, bf16
     gathering when dtype is set. compiled: blocks save what torch.compile keeps (saved_per_layer);
-    the fused loss, gpt.py's own chunk loop, is counted as eager runs it.
+    the fused loss, gpt.py's own chunk loop, is counted as eager runs it. groups g: every run of g
+    blocks checkpointed (nested: each block again inside the run's recompute).
 
-    Every moment is the base, 4 * params (fp32 weights) + 8 * params (AdamW) + 16 * N (batch), plus
-    what is alive only then, each term a count of elements times its width in bytes:
-      matmul_bytes  matmul operands and what they save: 2 under autocast, else 4
-      resid_bytes   the residual stream and FSDP's gathered weights: 2 only under FSDP's bf16 compute
-      ln_bytes      LayerNorm's input and output: 4 on CUDA (autocast's fp32), the stream's width on the CPU
-    with N = B*T tokens, d = n_embd, f = d_ff, V = vocab, L = n_layer, and params those this rank holds.
+    Every moment is the state (state_bytes) plus what is alive only then, each term a count of
+    elements times its width in bytes (StepSizes), one function per component above.
     Returns moments, totals, phases ({forward|backward|optimizer: (bytes, moment)}), peak and
     peak_at, saved (bytes saved for backward beyond weights and batch), params."""
-    cuda, fused, fsdp = device_type == "cuda", config.fused_ce, world > 1
-    L, d, f, V, ranks = config.n_layer, config.n_embd, config.d_ff, config.vocab_size, max(world, 1)
-    N, real_vocab = B * T, min(V, GPT2_VOCAB)
-    matmul_bytes = 2 if dtype is not None else 4
-    resid_bytes = 2 if fsdp and dtype is not None else 4
-    ln_bytes = 2 if resid_bytes == 2 and not cuda else 4
-    block_numel, block_shard = numel(block_shapes(config)), numel(block_shapes(config), ranks)  # shard: this rank's
-    root_numel, root_shard = numel(root_shapes(config)), numel(root_shapes(config), ranks)
-    params = L * block_shard + root_shard
-    adamw_steps = (12 * L + 4) * (512 if cuda else 4)  # a 4-byte step per tensor; CUDA's allocator rounds to 512
-    base = {"weights (fp32)": 4 * params, "AdamW moments + step": 8 * params + adamw_steps,
-            "batch (idx, targets)": 16 * N}
-    if ddp:  # DDP copies every gradient into fp32 buckets for its all-reduces; they live all run
-        base["DDP gradient buckets (fp32)"] = 4 * params
-    block_matrices = 4 * d * d + 2 * d * f  # a block's matrices: autocast makes bf16 copies of them
-    weight_cache = matmul_bytes == 2 and not fsdp  # (under FSDP they arrive in bf16: no copies)
-    # under FSDP the only copies are LayerNorm's bf16 weights and biases upcast to fp32 (on CUDA)
-    autocast_copies = 0 if dtype is None else (16 * d if ln_bytes != resid_bytes else 0) if fsdp else 2 * block_matrices
-    per_layer = saved_per_layer(config, B, T, matmul_bytes, ln_bytes, resid_bytes, cuda, compiled)
-    block_saved = sum(per_layer.values()) + autocast_copies
-    # checkpointed blocks: gpt.py's recompute K checkpoints every K-th block on its own; `groups` k
-    # every run of k consecutive blocks (recomputed together). segment_of: block -> first of its run
-    every, group = groups or config.recompute, groups or 1
-    segment_of = {i: s for s in range(0, L, every or L + 1) for i in range(s, min(s + group, L))} if every else {}
-    kept = [resid_bytes * N * d if segment_of.get(i) == i else 0 if i in segment_of else block_saved
-            for i in range(L)]
-
-    def saved_during(b):  # while block b runs backward: the blocks below, and b's whole segment recomputed
-        first = segment_of.get(b, b)
-        held = kept[first] if b in segment_of and ln_bytes != resid_bytes else 0  # its input, unless LN saved it
-        return sum(kept[:first]) + held + (b - first + 1) * block_saved
-
-    # ln_f's input, mean and rstd; the positions
-    head_saved = ln_bytes * N * d + 2 * ln_bytes * N + 8 * T + (8 * d if ln_bytes != resid_bytes else 0)
-    saved = sum(kept) + head_saved
-    lm_head_bytes = resid_bytes if fsdp else 4  # lm_head's weight (and so dW) as the loss sees it
-    root = {"gathered weights: wte, wpe, ln_f": resid_bytes * root_numel} if fsdp else {}
-    gather_buffer = resid_bytes * ranks * block_shard if fsdp else 0  # one block's all-gather buffer
-    moments = {}
-    if fused:  # gpt.linear_cross_entropy: dx and dW made during the forward, chunk by chunk
-        loss_saved = ln_bytes * N * d + lm_head_bytes * V * d
-        chunk_rows = [min(CE_CHUNK_ROWS, N - s) for s in range(0, N, CE_CHUNK_ROWS)]
-        # on CUDA the Triton kernel writes each chunk's gradient over its logits, in place; the
-        # CPU path makes fp32 temporaries: the upcast (under bf16), z - lse and its exp, * scale.
-        # The previous chunk's logits are still referenced while the next chunk's are made.
-        cpu_temps = 0 if cuda else (8 + (4 if matmul_bytes != 4 else 0)) * real_vocab
-        chunk_peak = max(matmul_bytes * V * rows
-                         + max(matmul_bytes * V * prev, cpu_temps * rows, matmul_bytes * rows * d)
-                         for prev, rows in zip([0] + chunk_rows, chunk_rows))
-        ln_f_out = ln_bytes * N * d + (matmul_bytes * N * d if matmul_bytes != ln_bytes else 0)
-        fwd = {**base, **root, "saved activations": saved, "all-gather buffer (last block)": gather_buffer,
-               "autocast's bf16 weight cache (checkpointed blocks)":
-                   len(segment_of) * 2 * block_matrices * weight_cache,
-               "ln_f output (+ bf16 copy)": ln_f_out,
-               "loss: dx, dW (compute dtype), weight copy":
-                   ln_bytes * N * d + matmul_bytes * V * d + 2 * V * d * weight_cache}
-        moments["forward: loss chunk"] = {**fwd, "loss: chunk logits and temporaries": chunk_peak}
-        moments["forward: loss end"] = {
-            **fwd, "loss: last chunk's logits, per-row losses": matmul_bytes * V * chunk_rows[-1] + 8 * N,
-            "loss: dW cast to the weight's dtype": 4 * V * d if lm_head_bytes != matmul_bytes else 0}
-        moments["backward start"] = {**base, **root, "saved activations": saved + loss_saved,
-                                     "loss gradients dx*g, dW*g": ln_bytes * N * d + lm_head_bytes * V * d,
-                                     "all-gather buffer (prefetch)": gather_buffer}
-    else:  # logits, F.cross_entropy's fp32 log-probs (saved) and, in backward, their gradients
-        loss_saved = matmul_bytes * N * d + 4 * N * V + 4 + 2 * V * d * weight_cache
-        logits = matmul_bytes * N * V + (4 * N * V if matmul_bytes == 2 else 0)
-        moments["forward end"] = {**base, **root, "saved activations": saved + loss_saved,
-                                  "logits + fp32 upcast": logits}
-        moments["backward start"] = {**base, **root, "saved activations": saved + loss_saved,
-                                     "nll + log-softmax grads": 8 * N * V}
-        moments["backward: lm_head"] = {
-            **base, **root, "saved activations": saved + loss_saved - 4 * N * V,
-            "logits grad + lm_head weight grad": matmul_bytes * N * V + (6 if matmul_bytes == 2 else 4) * V * d}
-
-    for b in range(L - 1, -1, -1):
-        upcast_dx = matmul_bytes * N * d if matmul_bytes != resid_bytes else 0
-        mlp_grads = upcast_dx + matmul_bytes * N * f + matmul_bytes * d * f
-        moment = {**base, **root, "saved activations": saved_during(b),
-                  "gradients": (L - 1 - b) * 4 * block_shard + 2 * resid_bytes * d,
-                  "lm_head weight gradient": lm_head_bytes * V * d, "residual gradient": resid_bytes * N * d,
-                  "block backward: MLP gradients": mlp_grads}
-        if fsdp:  # this block gathered, the next one's all-gather in flight, the last reduce-scatter kept
-            moment["gathered weights: block + prefetch"] = resid_bytes * block_numel + (gather_buffer if b else 0)
-            moment["reduce-scatter input (block above)"] = 4 * ranks * block_shard if b < L - 1 else 0
-            moments[f"backward: block {b} done"] = {  # its gradients whole, before their reduce-scatter
-                **moment, "saved activations": sum(kept[:segment_of.get(b, b)]), "block backward: MLP gradients": 0,
-                "block gradients (gathered)": resid_bytes * block_numel,
-                "residual gradient": (2 * resid_bytes + max(resid_bytes, ln_bytes)) * N * d}
-        moments[f"backward: block {b}"] = moment
-        # c_attn's backward: only ln_1's tensors still saved, the block's other gradients made. Under
-        # autocast its weight gradients come out of the matmul in bf16, cast to fp32 once dqkv is freed
-        cast_bytes, attn_params = lm_head_bytes - matmul_bytes, 3 * d * d + 3 * d
-        ln_1_saved = (ln_bytes + matmul_bytes) * N * d + 2 * ln_bytes * N
-        c_attn_grads = max(4 * matmul_bytes * N * d - cast_bytes * attn_params,
-                           matmul_bytes * N * d + matmul_bytes * 3 * d * d - cast_bytes * 3 * d if cast_bytes else 0)
-        moments[f"backward: block {b} attention"] = {
-            **moment, "saved activations": saved_during(b) - block_saved + ln_1_saved,
-            "block backward: MLP gradients": 0, "block gradients but ln_1's": lm_head_bytes * (block_numel - 2 * d),
-            "c_attn backward: dqkv, dx (+ bf16 gradients)": c_attn_grads}
-    if fsdp:  # wte's gradient arrives twice (lm_head, embedding) and is summed into a third buffer
-        moments["backward end"] = {**base, **root,
-                                   "gradients": L * 4 * block_shard + resid_bytes * (root_numel - V * d),
-                                   "wte gradient parts + sum": 3 * resid_bytes * V * d,
-                                   "reduce-scatter input (block 0)": 4 * ranks * block_shard}
-        moments["backward end: root reduce-scatter"] = {**base, "gradients": 4 * params,
-                                                        "reduce-scatter input": 4 * ranks * root_shard}
+    s = sizes_of(config, B, T, dtype, device_type, world)
+    base = state_bytes(s, ddp)
+    alive = {**base, **gathered_root(s)}
+    per_layer = saved_per_layer(config, B, T, s.matmul, s.ln, s.resid, s.cuda, compiled)
+    block_saved = sum(per_layer.values()) + autocast_copies(s)
+    plan = checkpoint_plan(config.n_layer, config.recompute, groups)
+    kept = kept_per_block(s, plan, block_saved)
+    saved = sum(kept) + head_saved(s)
+    if config.fused_ce:
+        moments, loss_saved = fused_loss_moments(s, alive, saved, len(plan))
     else:
-        moments["backward end"] = {**base, "gradients": 4 * params, "wte gradient parts + sum": 8 * V * d}
-    # fused AdamW (CUDA) updates in place; the CPU's loop makes two temporaries the size of wte, the largest
-    moments["optimizer step"] = {**base, "gradients": 4 * params,
-                                 "AdamW temporaries (CPU)": (not cuda) * 8 * -(-V // ranks) * d}
+        moments, loss_saved = plain_loss_moments(s, alive, saved)
+    for b in range(config.n_layer - 1, -1, -1):
+        during = saved_during(s, b, plan, kept, block_saved, nested)
+        moments |= block_backward_moments(s, b, alive, during, sum(kept[:plan.get(b, b)]), block_saved)
+    moments |= end_moments(s, base, alive)
     totals = {k: sum(v.values()) for k, v in moments.items()}
     phases = {}
     for k, total in totals.items():  # the largest moment of each phase: forward, backward, ...
@@ -208,7 +331,7 @@ def account(config, B, T, dtype, device_type="cuda", world=0, groups=0, ddp=Fals
         phases[phase] = max(phases.get(phase, (0, "")), (total, k))
     peak_at = max(totals, key=totals.get)
     return {"moments": moments, "totals": totals, "phases": phases, "peak": totals[peak_at], "peak_at": peak_at,
-            "saved": saved + loss_saved, "params": params, "layer": block_saved, "per_layer": per_layer}
+            "saved": saved + loss_saved, "params": s.params, "layer": block_saved, "per_layer": per_layer}
 
 
 def predict_max_batch(config, T, dtype, budget, limit=1 << 16):
@@ -242,7 +365,8 @@ class LiveBytes(TorchDispatchMode):
                 self.track(getattr(t, name))
         elif isinstance(t, torch.Tensor):
             s = t.untyped_storage()
-            self.storages.setdefault(id(s), weakref.ref(s, lambda _, k=id(s): self.storages.pop(k, None)))
+            key = id(s)  # the storage's entry leaves with it (the callback runs when it is freed)
+            self.storages.setdefault(key, weakref.ref(s, lambda _: self.storages.pop(key, None)))
 
     def now(self):
         return sum(s.nbytes() for s in (ref() for ref in list(self.storages.values())) if s is not None)
@@ -258,22 +382,6 @@ class LiveBytes(TorchDispatchMode):
     def reset_peak(self):
         peak, self.peak = self.peak, self.now()
         return peak
-
-
-def saved_bytes(fn, dtype, device, exclude=()):
-    """Bytes of distinct storages that autograd saves for backward while fn() runs, beyond the
-    tensors in `exclude` (weights and batch: alive anyway)."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:  # views of one buffer (q, k, v) count once
-            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(device, dtype):
-        fn()
-    return sum(seen.values())
 
 
 def state_tensors(model, optimizer):
@@ -343,10 +451,12 @@ def measure_step(config, B, T, dtype, device, compiled=False):
 
 # takeaway: counting live storages after every op gives memory_allocated's answer on any device, CPU included.
 
+
 # --- 3. account: the model against the allocator (GPU) or against live tensors (CPU)
 
 def fitting_batch(cfg, T, dtype, device):  # 5% kept back: the caching allocator fragments near the limit
     return predict_max_batch(cfg, T, dtype, torch.cuda.mem_get_info(device)[0] * 0.95)
+
 
 def fits(n):  # the prediction in words
     return f"the model predicts batch {n} fits" if n else "the model predicts not even batch 1 fits in the free memory"
@@ -362,14 +472,18 @@ def check_host_fits(cfg, B, T, dtype, peak):  # a counted step runs after an unc
                       lambda free: fits(predict_max_batch(cfg, T, dtype, free / 2)))
 
 
-def config_of(args, model=None, **overrides):
-    return make_config(model or args.model, attn=args.attn, vocab_size=args.vocab, fused_ce=not args.unfused,
-                       recompute=args.recompute, **overrides)
+def config_of(model, T, **overrides):
+    """A preset's config; its learned position table (wpe) grown to T rows when T is longer (main says so)."""
+    preset = make_config(model, **overrides)
+    return make_config(model, **overrides, block_size=max(preset.block_size, T))
+
+
+def mib(nbytes):
+    return f"{nbytes / 2**20:,.2f}"
 
 
 def print_breakdown(pred, peaks=None):
     """What a block saves, what is alive at the predicted peak, and each phase's peak (predicted, measured)."""
-    mib = lambda v: f"{v / 2**20:,.2f}"
     rows = [[k, mib(v)] for k, v in pred["per_layer"].items()]
     print_table(["saved by one block", "MiB"], rows + [["per block, with autocast's copies", mib(pred["layer"])]])
     print()
@@ -381,33 +495,42 @@ def print_breakdown(pred, peaks=None):
                 [[ph, at, mib(v), mib(peaks[ph]) if peaks else "n/a"] for ph, (v, at) in pred["phases"].items()])
 
 
-def part_account(args, device):
-    dtype, kw, cuda = amp_dtype(args.bf16), dict(ddp=args.ddp, compiled=args.compile), device.type == "cuda"
-    if args.fsdp or args.ddp:  # a rank of torchrun train.py: predicted here, measured there
-        cfg = config_of(args)
-        pred = account(cfg, args.batch, args.seq, dtype, "cuda", world=args.world if args.fsdp else 0, **kw)
-        print_breakdown(pred)
-        scheme = f"FSDP2 over {args.world} GPUs ({pred['params']:,} of {param_count(cfg):,} parameters per rank)" \
-            if args.fsdp else "a DDP rank"
-        print(f"account: predicted peak {gib(pred['peak'])} GiB at {pred['peak_at']} for {scheme}, "
-              f"{'compiled' if args.compile else 'eager'}; measure it with torchrun --nproc_per_node={args.world} "
-              f"train.py{' --fsdp' * args.fsdp} and the same flags (its summary's peak mem)")
-        return
-    B, rows, errors = args.batch, [], []
-    runs = [(m, T, dt) for m in args.models for T in args.seqs for dt in (None, torch.bfloat16)] \
-        if args.sweep else [(args.model, args.seq, dtype)]
+def predict_rank(cfg, B, T, dtype, world, fsdp, compiled):
+    """A rank of torchrun train.py (FSDP2 over `world` GPUs, or DDP): predicted here, measured there."""
+    pred = account(cfg, B, T, dtype, "cuda", world=world if fsdp else 0, ddp=not fsdp, compiled=compiled)
+    print_breakdown(pred)
+    scheme = "a DDP rank"
+    flag = ""
+    if fsdp:
+        scheme = f"FSDP2 over {world} GPUs ({pred['params']:,} of {param_count(cfg):,} parameters per rank)"
+        flag = " --fsdp"
+    print(f"account: predicted peak {gib(pred['peak'])} GiB at {pred['peak_at']} for {scheme}, "
+          f"{'compiled' if compiled else 'eager'}; measure it with torchrun --nproc_per_node={world} "
+          f"train.py{flag} and the same flags (its summary's peak mem)")
+
+
+def measure_on_cpu(cfg, B, T, dtype, peak):
+    """({phase: peak live bytes}, bytes saved for backward) of a fresh model's step, counted op by op."""
+    check_host_fits(cfg, B, T, dtype, peak)
+    model = GPT(cfg)
+    opt, (x, y) = configure_optimizer(model, lr=1e-4), random_batch(cfg, B, T, "cpu")
+    peaks = live_peaks(model, opt, x, y, dtype)
+    with autocast("cpu", dtype):  # what autocast's casts save counts too
+        saved = saved_tensor_bytes(lambda: model(x, y), exclude=[*model.parameters(), x, y])
+    return peaks, saved
+
+
+def part_account(device, runs, B, overrides, compiled, sweep):
+    """runs: [(model, seq, dtype)], predicted and measured (the allocator on a GPU, live tensors on a CPU)."""
+    cuda, rows, errors = device.type == "cuda", [], []
     for m, T, dt in runs:
-        cfg, name = config_of(args, m), f"{m} T={T} {'bf16' if dt else 'fp32'}"
-        pred = account(cfg, B, T, dt, device.type, **kw)
+        cfg, name = config_of(m, T, **overrides), f"{m} T={T} {'bf16' if dt else 'fp32'}"
+        pred = account(cfg, B, T, dt, device.type, compiled=compiled)
         if cuda:
-            peaks = measure_step(cfg, B, T, dt, device, args.compile)
+            peaks = measure_step(cfg, B, T, dt, device, compiled)
         else:  # no allocator to ask, but live tensors can be counted op by op
-            check_host_fits(cfg, B, T, dt, pred["peak"])
-            model = GPT(cfg)
-            opt, (x, y) = configure_optimizer(model, lr=1e-4), random_batch(cfg, B, T, "cpu")
-            peaks = live_peaks(model, opt, x, y, dt)
-            saved = saved_bytes(lambda: model(x, y), dt, device, [*model.parameters(), x, y])
-        if peaks is None and not args.sweep:
+            peaks, saved = measure_on_cpu(cfg, B, T, dt, pred["peak"])
+        if peaks is None and not sweep:
             fail_out_of_memory(cfg, B, T, dt, device)
         cells = ["OOM", "n/a", "n/a"]
         if peaks:
@@ -415,51 +538,109 @@ def part_account(args, device):
             errors.append(100 * (pred["peak"] / measured - 1))
             cells = [gib(measured), f"{errors[-1]:+.1f}", max(peaks, key=peaks.get)]
         rows.append([name, gib(pred["peak"]), *cells, pred["peak_at"]])
-        if args.sweep:
+        if sweep:
             print("  " + "  ".join(rows[-1]), flush=True)
+        elif cuda:
+            print_breakdown(pred, peaks)
+            print(f"largest batch predicted to fit in 95% of this GPU's free memory: "
+                  f"{fitting_batch(cfg, T, dt, device)}")
         else:
             print_breakdown(pred, peaks)
-            if cuda:
-                print(f"largest batch predicted to fit in 95% of this GPU's free memory: "
-                      f"{fitting_batch(cfg, T, dt, device)}")
-            else:
-                print(f"saved for backward: predicted {pred['saved']:,} bytes, saved-tensor hooks saw {saved:,}")
-    if args.sweep:
+            print(f"saved for backward: predicted {pred['saved']:,} bytes, saved-tensor hooks saw {saved:,}")
+    if sweep:
         print_table(["model / seq / dtype", "predicted GiB", "measured GiB", "error %", "measured peak phase",
                      "predicted peak moment"], rows)
     worst = f"{max(map(abs, errors)):.{1 if cuda else 4}f}%" if errors else "n/a"
-    print(f"account: batch {B}, {'unfused' if args.unfused else 'fused'} loss, attention {args.attn}, recompute "
-          f"{args.recompute or 'off'}, {'compiled' if args.compile else 'eager'}; worst |error| {worst} over "
+    loss = "fused" if overrides["fused_ce"] else "unfused"
+    print(f"account: batch {B}, {loss} loss, attention {overrides['attn']}, recompute "
+          f"{overrides['recompute'] or 'off'}, {'compiled' if compiled else 'eager'}; worst |error| {worst} over "
           f"{len(errors)} configurations that fit (target 10%)")
 
 # takeaway: the prediction is exact against live tensors on a CPU; on a GPU the allocator judges it (target 10%).
 
-# --- 4. checkpoint: which group size of recomputed blocks needs the least memory
+# --- 4. checkpoint: groups of blocks recomputed, flat or nested, and the group size that needs the least memory
+
+SCHEMES = ("flat", "nested")
 
 
-def grouped_forward(model, k):
-    """gpt.py's training forward with every group of k consecutive blocks checkpointed (k=0: none):
-    a group keeps only its input, and is recomputed, as a whole, when backward reaches it."""
-    def forward(idx, targets):
-        x = model.wte(idx) + model.wpe(torch.arange(idx.size(1), device=idx.device))
-        for i in range(0, len(model.h), k or len(model.h)):
-            group = torch.nn.Sequential(*model.h[i:i + (k or len(model.h))])
-            x = checkpoint(group, x, use_reentrant=False) if k else group(x)
-        return None, linear_cross_entropy(model.ln_f(x).flatten(0, 1), model.lm_head.weight, targets.flatten())
-    return forward
+def checkpointed_blocks(blocks, group, nested=False):
+    """The blocks as GPT.forward(blocks=...) runs them: every run of `group` consecutive blocks checkpointed as one
+    (it keeps only its input; backward recomputes the run whole). nested: inside that recompute each block is
+    checkpointed again, so the run's blocks keep only their inputs and one block at a time is whole: about
+    L/g + g inputs and one block alive, least near g = sqrt(L) (the sqrt(N) scheme), for a third forward."""
+    def run_of(first):
+        def forward(x):
+            for block in blocks[first:first + group]:
+                x = checkpoint(block, x, use_reentrant=False) if nested else block(x)
+            return x
+        return forward
+    return [partial(checkpoint, run_of(first), use_reentrant=False) for first in range(0, len(blocks), group)]
 
 
-def part_checkpoint(args, device):
-    dtype, B, T, cuda = amp_dtype(args.bf16), args.batch, args.seq, device.type == "cuda"
-    cfg = config_of(args, block_size=max(T, make_config(args.model).block_size))
-    predicted = {k: account(cfg, B, T, dtype, device.type, groups=k)["peak"] for k in range(cfg.n_layer + 1)}
-    best = min(range(1, cfg.n_layer + 1), key=predicted.get)
-    ks = [0] + sorted({1, best - 1, best, best + 1, round(math.sqrt(cfg.n_layer))} & set(range(1, cfg.n_layer + 1)))
-    print(f"{args.model} (block size {cfg.block_size}), B={B}, T={T}, {'bf16' if dtype else 'fp32'}: predicted best "
-          f"group size k={best} ({gib(predicted[best])} GiB); measuring k in {ks} (k=0: no checkpointing)")
+def checkpointed(model, scheme, group):  # model(x, y) with its blocks checkpointed by `scheme` ("none": as they are)
+    if scheme == "none":
+        return model
+    return partial(model, blocks=checkpointed_blocks(model.h, group, scheme == "nested"))
+
+
+def predictions(cfg, B, T, dtype, device_type):
+    """{(scheme, group size): account's prediction}, every group size of both schemes and ("none", 0)."""
+    out = {("none", 0): account(cfg, B, T, dtype, device_type)}
+    for scheme in SCHEMES:
+        for g in range(1, cfg.n_layer + 1):
+            out[scheme, g] = account(cfg, B, T, dtype, device_type, groups=g, nested=scheme == "nested")
+    return out
+
+
+def most_saved(pred):  # the most bytes saved for backward at any moment: what checkpointing shrinks
+    return max(moment.get("saved activations", 0) for moment in pred["moments"].values())
+
+
+def label(scheme, g):
+    return "none" if scheme == "none" else f"{scheme} g={g}"
+
+
+def measure_checkpointing(model, opt, x, y, dtype, device, variants, rounds):
+    """{variant: (Timing or None, measured peak bytes or None)}: the one timer over every variant; the peak is the
+    allocator's in its warm-up on a GPU (above what was allocated before), live tensors in more steps on a CPU."""
+    cuda = device.type == "cuda"
+    start = torch.cuda.memory_allocated(device) if cuda else 0
+    steps = {label(*v): partial(step, model, opt, x, y, dtype, forward=checkpointed(model, *v)) for v in variants}
+    timings = compare(steps, device, baseline="none", rounds=rounds, steps=1, warmup=2,
+                      progress=lambda r: print(f"  round {r + 1}/{rounds}", flush=True))
+    measured = {}
+    for v in variants:
+        t = timings[label(*v)]
+        peak = None
+        if t is not None and cuda:
+            peak = t.peak - start
+        elif t is not None:
+            peak = max(live_peaks(model, opt, x, y, dtype, checkpointed(model, *v)).values())
+        measured[v] = (t, peak)
+    return measured
+
+
+def best_of(measured):  # the lowest measured peak; within 1% of it, the fastest
+    fit = {v: (t, peak) for v, (t, peak) in measured.items() if peak is not None}
+    low = min(peak for _, peak in fit.values())
+    return min((v for v, (_, peak) in fit.items() if peak <= 1.01 * low), key=lambda v: fit[v][0].median)
+
+
+def part_checkpoint(device, cfg, B, T, dtype, rounds, sizes):
+    """Predicted and measured peak and step time of no checkpointing, then flat and nested groups of each size."""
+    cuda, L = device.type == "cuda", cfg.n_layer
+    pred = predictions(cfg, B, T, dtype, device.type)
+    best = {scheme: min(range(1, L + 1), key=lambda g: (most_saved(pred[scheme, g]), pred[scheme, g]["peak"]))
+            for scheme in SCHEMES}  # least saved activations, then the lowest peak
+    sizes = sizes or sorted(({1, round(math.sqrt(L))} | {best[s] + i for s in SCHEMES for i in (-1, 0, 1)})
+                            & set(range(1, L + 1)))  # near each scheme's best, and sqrt(L)
+    variants = [("none", 0)] + [(scheme, g) for scheme in SCHEMES for g in sizes]
+    print(f"{L} layers (d={cfg.n_embd}), B={B}, T={T}, {'bf16' if dtype else 'fp32'}: least activations predicted "
+          f"for flat g={best['flat']} ({mib(most_saved(pred['flat', best['flat']]))} MiB), nested g={best['nested']} "
+          f"({mib(most_saved(pred['nested', best['nested']]))} MiB); sqrt(L) = {math.sqrt(L):.1f}; measuring g in "
+          f"{sizes}")
     if cuda:
         warm_up_libraries(device, dtype)
-    start = torch.cuda.memory_allocated(device) if cuda else 0
     try:
         with torch.device(device):
             model = GPT(cfg)
@@ -467,165 +648,372 @@ def part_checkpoint(args, device):
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_oom(e):
             raise
-        fail(f"{args.model}'s weights ({gib(4 * param_count(cfg))} GiB) and AdamW state do not fit on this GPU")
-    variants = {f"k={k}": (lambda k=k: step(model, opt, x, y, dtype, forward=grouped_forward(model, k))) for k in ks}
-    timings = compare(variants, device, baseline="k=0", rounds=args.rounds, steps=1, warmup=2,
-                      progress=lambda r: print(f"  round {r + 1}/{args.rounds}", flush=True))
-    rows, measured = [], {}
-    for k in ks:
-        t = timings[f"k={k}"]
-        if t is not None:  # the allocator's peak in warm-up; on the CPU, live tensors in more steps
-            forward = grouped_forward(model, k)
-            measured[k] = t.peak - start if cuda else max(live_peaks(model, opt, x, y, dtype, forward).values())
-        err = f"{100 * (predicted[k] / measured[k] - 1):+.1f}" if k in measured else "n/a"
-        rows.append([f"k={k}" if k else "none", gib(predicted[k]), gib(measured[k]) if k in measured else "OOM", err,
-                     t.ms() if t else "OOM", t.vs() if t else "n/a"])
-    print_table(["checkpoint groups", "predicted GiB", f"measured GiB ({'allocated' if cuda else 'live tensors'})",
-                 "error %", f"ms/step, median (min-max) of {args.rounds} rounds", "vs none (paired)"], rows)
-    top = min(measured, key=measured.get, default=None)
-    print(f"checkpoint: predicted best k={best}, measured best k={top} ({gib(measured[top]) if measured else 'n/a'} "
-          f"GiB; none: {gib(measured[0]) if 0 in measured else 'OOM'})")
+        fail(f"{L} layers' weights ({gib(4 * param_count(cfg))} GiB) and AdamW state do not fit on this GPU")
+    measured = measure_checkpointing(model, opt, x, y, dtype, device, variants, rounds)
+    rows = []
+    for v in variants:
+        (t, peak), p = measured[v], pred[v]
+        err = "n/a" if peak is None else f"{100 * (p['peak'] / peak - 1):+.1f}"
+        rows.append([label(*v), mib(most_saved(p)), mib(p["peak"]), p["peak_at"], "OOM" if peak is None else mib(peak),
+                     err, t.ms() if t else "OOM", t.vs() if t else "n/a"])
+    print_table(["checkpointing", "predicted activations MiB", "predicted peak MiB", "predicted peak moment",
+                 f"measured peak MiB ({'allocated' if cuda else 'live tensors'})", "error %",
+                 f"ms/step, median (min-max) of {rounds} rounds", "vs none (paired)"], rows)
+    print("flat g: a run keeps its input and is recomputed whole: L/g inputs + g whole blocks alive at most; nested "
+          "g: L/g + g - 1 inputs + one whole block, for a third forward; past the least, the state sets the peak")
+    if all(peak is None for _, peak in measured.values()):
+        print("checkpoint: nothing fit, even nested; lower --batch or --seq")
+        return
+    top = best_of(measured)
+    (t, peak), none = measured[top], measured[("none", 0)][1]
+    vs_none = f"{t.ratio:.2f}x the time of none" if t.ratio else "none did not fit"
+    print(f"checkpoint: best {label(*top)}: peak {mib(peak)} MiB (none: {'OOM' if none is None else mib(none)} MiB), "
+          f"{vs_none}; least predicted activations at flat g={best['flat']}, nested g={best['nested']}")
 
-# takeaway: checkpointing trades a block's saved activations for a recomputed forward; the group size sets the trade.
+# takeaway: checkpointing trades saved activations for recomputed forwards; nesting trades one more for sqrt(L).
 
-# --- 5. parallel: bytes per rank under data parallelism, ZeRO-1, ZeRO-2 and FSDP (ZeRO-3)
+# --- 5. parallel: the course's calculator, pure arithmetic. A collective costs alpha per step (latency) plus its
+# bytes over beta (bandwidth); then bytes per device and communication per step for DP, ZeRO, FSDP, TP, FSDP + TP
 
-SCHEMES = ("DP", "ZeRO-1", "ZeRO-2", "FSDP (ZeRO-3)")
+MESSAGE_SIZES = [10 ** k for k in range(3, 11)]  # 1 KB .. 10 GB
+
+
+def ring_all_reduce_s(n, nbytes, alpha, beta):
+    """A reduce-scatter then an all-gather around a ring, n-1 steps each of S/n bytes: 2(n-1) a + 2(n-1)/n S/b."""
+    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
+
+
+def tree_all_reduce_s(n, nbytes, alpha, beta):
+    """Reduce up a binary tree, broadcast back down: log2(n) steps each way of all S bytes: 2 log2(n) (a + S/b)."""
+    return 2 * math.log2(n) * (alpha + nbytes / beta)
+
+
+def crossover_bytes(n, alpha, beta):
+    """The size where ring and tree take equal time, S* = a b (n-1-log2 n) / (log2 n - (n-1)/n): below it the tree's
+    fewer latency steps win, above it the ring's n-fold smaller messages. 0: the ring never loses (n <= 2)."""
+    if n <= 2:
+        return 0.0
+    return alpha * beta * (n - 1 - math.log2(n)) / (math.log2(n) - (n - 1) / n)
+
+
+def gather_s(n, nbytes, alpha, beta):
+    """A ring all-gather (or reduce-scatter) of S bytes in all: n-1 steps of S/n bytes: (n-1) a + (n-1)/n S/b."""
+    return (n - 1) * alpha + (n - 1) / n * nbytes / beta
+
+
+def print_collectives(n, alpha, beta):
+    rows = []
+    for size in MESSAGE_SIZES:
+        ring, tree = ring_all_reduce_s(n, size, alpha, beta), tree_all_reduce_s(n, size, alpha, beta)
+        rows.append([f"{size / GB:g}", f"{ring * 1e6:,.1f}", f"{tree * 1e6:,.1f}", "ring" if ring < tree else "tree"])
+    print_table([f"all-reduce over {n} devices, GB", "ring us", "tree us", "faster"], rows)
+    a_us, b_gbs = alpha * 1e6, beta / GB
+    print(f"  ring = 2(n-1) a + 2(n-1)/n S/b = {2 * (n - 1)} x {a_us:g} us + {2 * (n - 1) / n:.4f} x S / "
+          f"{b_gbs:g} GB/s")
+    print(f"  tree = 2 log2(n) (a + S/b) = {2 * math.log2(n):.4f} x ({a_us:g} us + S / {b_gbs:g} GB/s)")
+    star = crossover_bytes(n, alpha, beta)
+    print(f"  crossover S* = a b (n-1-log2 n) / (log2 n - (n-1)/n) = {star / GB:.6g} GB: the ring is faster above it")
+
+
+@dataclass
+class ModelShape:
+    """What the calculator needs of a model. Activations saved per token and layer, bytes: `replicated` on every TP
+    rank (LayerNorm's tensors, the inputs of the column-parallel matmuls), `split` divided by the TP degree (the
+    heads' q, k, v and outputs, the MLP's d_ff-wide tensors). tp_all_reduces: per layer and step, of N d activations
+    each: 2 forward + 2 backward with attention (after attention's and the MLP's row-parallel matmul), 1 + 1 without."""
+    name: str
+    params: int
+    layers: int
+    d: int
+    heads: int  # 0: blocks without attention
+    replicated: float
+    split: float
+    tp_all_reduces: int
+
+
+REPLICATED_UNDER_TP = ("ln_1 + ln_2 inputs", "ln_1 + ln_2 mean, rstd", "c_attn + c_fc inputs (LN outputs)")
+
+
+def gpt_shape(name, cfg, T, width):  # a preset: what its blocks save (section 1) for one sequence, per token
+    saved = saved_per_layer(cfg, 1, T, width)
+    replicated = sum(v for k, v in saved.items() if k in REPLICATED_UNDER_TP) / T
+    split = sum(v for k, v in saved.items() if k not in REPLICATED_UNDER_TP) / T
+    return ModelShape(name, param_count(cfg), cfg.n_layer, cfg.n_embd, cfg.n_head, replicated, split, 4)
+
+
+def mlp_shape(d, d_ff, layers, params, width):
+    """The course's worked model: blocks of two bias-free linear layers d -> d_ff -> d, no attention; each saves
+    its input: the first's (d, the same on every TP rank), the second's (d_ff, split)."""
+    name = f"{layers} blocks of d {d} -> d_ff {d_ff} -> d"
+    return ModelShape(name, params or 2 * layers * d * d_ff, layers, d, 0, width * d, width * d_ff, 2)
 
 
 def per_rank_bytes(n_params, world, stage):
     """fp32 weights, gradients and AdamW state (4 + 4 + 8 bytes per parameter) on one rank: ZeRO-1
     shards the optimizer state over the ranks, ZeRO-2 the gradients too, FSDP also the weights
     (stage 0: plain data parallelism, everything replicated)."""
-    share = lambda nbytes, s: n_params * nbytes / (world if stage >= s else 1)
+    def share(nbytes, sharded_from):
+        return n_params * nbytes / (world if stage >= sharded_from else 1)
     return {"weights": share(4, 3), "gradients": share(4, 2), "optimizer state": share(8, 1)}
 
 
-def part_parallel(args, device):
-    W = args.world
-    if args.model:  # a GPT preset: activations from section 1, FSDP's padded shards
-        cfg, dtype = config_of(args), amp_dtype(args.bf16)
-        single, fsdp = account(cfg, args.batch, args.seq, dtype), account(cfg, args.batch, args.seq, dtype, world=W)
-        rows = []
-        for stage, name in enumerate(SCHEMES):
-            parts = per_rank_bytes(W * fsdp["params"] if stage == 3 else param_count(cfg), W, stage)  # padded
-            parts["activations (saved)"] = (fsdp if stage == 3 else single)["saved"]
-            rows.append([f"{name}, {W} ranks", *(gib(v) for v in parts.values()), gib(sum(parts.values()))])
-        print_table(["scheme", "weights GiB", "gradients GiB", "optimizer GiB", "activations GiB", "sum GiB"], rows)
-        print(f"parallel: {args.model}, B={args.batch} T={args.seq} per rank; FSDP's predicted peak with its gathered "
-              f"weights and buffers: {gib(fsdp['peak'])} GiB ({fsdp['peak_at']}), one GPU's: {gib(single['peak'])} GiB")
-        return
-    # the worked example: 126 blocks of two bias-free linear layers, d_model 16384 <-> d_ff 53248
-    n = args.params or 126 * 2 * 16384 * 53248
-    total, act = n * 16, args.act_gb * GB
-    print(f"{n:,} parameters x (4 weights + 4 gradients + 8 AdamW) bytes = {total / GB:,.0f} GB of model state; "
-          f"{math.ceil(total / (80 * GB))} GPUs of 80 GB hold it only if it is fully sharded")
+# name: (tensor-parallel, ZeRO stage over the data-parallel ranks)
+LAYOUTS = {"DP": (False, 0), "ZeRO-1": (False, 1), "ZeRO-2": (False, 2), "FSDP (ZeRO-3)": (False, 3),
+           "TP x DP": (True, 0), "FSDP x TP": (True, 3)}
+
+
+def gb(nbytes):  # 5 significant digits: enough to check a written answer
+    return f"{nbytes / GB:,.5g} GB"
+
+
+def layout_costs(shape, N, t, stage, B, T, width, alpha, beta):
+    """One device's bytes {weights, gradients, optimizer state, activations}, bytes it sends per step, seconds of
+    communication per step (none overlapped), and the formulas with their numbers. N devices: t-way tensor
+    parallel (every matrix split t ways) inside, D = N/t data-parallel ranks, each B/D sequences of T tokens."""
+    D, P, L = N // t, shape.params / t, shape.layers
+    parts = per_rank_bytes(P, D, stage)
+    seqs = B / D
+    parts["activations"] = seqs * T * L * (shape.replicated + shape.split / t)
+    shares = [f"{nbytes}/{D}" if stage >= first else str(nbytes) for nbytes, first in ((4, 3), (4, 2), (8, 1))]
+    lines = [f"state ({' + '.join(shares)}) B x {P / 1e9:,.5g}e9 params{f' (1/{t} each, TP)' if t > 1 else ''} = "
+             f"{gb(sum(parts.values()) - parts['activations'])}",
+             f"activations {seqs:g} seq x {T} tok x {L} layers x ({shape.replicated:,g} + {shape.split:,g}/{t}) B = "
+             f"{gb(parts['activations'])}"]
+    a_us, b_gbs = f"{alpha * 1e6:g} us", f"{beta / GB:g} GB/s"
+    if stage == 3:  # per layer: weights gathered in forward and again in backward, gradients reduce-scattered
+        sent = (D - 1) / D * (2 * width + 4) * P
+        seconds = 2 * L * gather_s(D, width * P / L, alpha, beta) + L * gather_s(D, 4 * P / L, alpha, beta)
+        lines.append(f"FSDP sends ({D}-1)/{D} x (2 x {width} + 4) B x {P / 1e9:,.5g}e9 = {gb(sent)} in 3 x {L} "
+                     f"collectives: 3 x {L} x ({D}-1) x {a_us} + {gb(sent)} / {b_gbs} = {seconds * 1e3:,.2f} ms")
+    else:  # the fp32 gradients all-reduced as one bucket (ZeRO-1/2: reduce-scatter + all-gather, the same bytes)
+        sent = 2 * (D - 1) / D * 4 * P
+        seconds = ring_all_reduce_s(D, 4 * P, alpha, beta)
+        lines.append(f"gradient all-reduce sends 2({D}-1)/{D} x 4 B x {P / 1e9:,.5g}e9 = {gb(sent)}: "
+                     f"2({D}-1) x {a_us} + {gb(sent)} / {b_gbs} = {seconds * 1e3:,.2f} ms")
+    if t > 1:  # activations all-reduced inside every layer: B/D sequences x T tokens x d, `width` bytes each
+        size, count = seqs * T * shape.d * width, L * shape.tp_all_reduces
+        tp_sent, tp_seconds = count * 2 * (t - 1) / t * size, count * ring_all_reduce_s(t, size, alpha, beta)
+        lines.append(f"TP sends {L} layers x {shape.tp_all_reduces} all-reduces x 2({t}-1)/{t} x ({seqs:g} x {T} x "
+                     f"{shape.d} x {width} B = {gb(size)}) = {gb(tp_sent)}: {count} x (2({t}-1) x {a_us} + "
+                     f"2({t}-1)/{t} x {gb(size)} / {b_gbs}) = {tp_seconds * 1e3:,.2f} ms")
+        sent, seconds = sent + tp_sent, seconds + tp_seconds
+    return parts, sent, seconds, lines
+
+
+def part_parallel(shape, N, t, B, T, width, alpha, beta, device_gb):
+    state = 16 * shape.params
+    print(f"{shape.name}: {shape.params:,} parameters x (4 weights + 4 gradients + 8 AdamW) bytes = "
+          f"{state / GB:,.1f} GB of model state; {N} devices of {device_gb:g} GB, TP degree {t}, global batch {B} "
+          f"x {T} tokens, activations and gathered weights {width} bytes, gradients reduced in fp32")
+    print_collectives(N, alpha, beta)
+    print()
+    rows, notes = [], []
+    for name, (tensor_parallel, stage) in LAYOUTS.items():
+        tp = t if tensor_parallel else 1
+        parts, sent, seconds, lines = layout_costs(shape, N, tp, stage, B, T, width, alpha, beta)
+        total = sum(parts.values())
+        rows.append([name, f"{N // tp} x {tp}", *(f"{v / GB:,.2f}" for v in parts.values()), f"{total / GB:,.2f}",
+                     "yes" if total <= device_gb * GB else "no", f"{sent / GB:,.3f}", f"{seconds * 1e3:,.2f}"])
+        notes += [f"  {name:14} {line}" for line in lines]
+    print_table(["layout", "DP x TP", "weights GB", "gradients GB", "optimizer GB", "activations GB", "total GB",
+                 f"fits {device_gb:g} GB", "sent GB/step", "comm ms/step"], rows)
+    print("\n".join(notes))
+    print(f"parallel: N_FSDP = {math.ceil(state / (device_gb * GB))} devices of {device_gb:g} GB hold the "
+          f"{state / GB:,.0f} GB of state fully sharded (activations aside); on {N} devices the ring all-reduce "
+          f"beats the tree above {crossover_bytes(N, alpha, beta) / GB:.4g} GB")
+
+# takeaway: sharding divides bytes by the degree; the price is communication, latency-bound for small messages.
+
+# --- 6. snapshot: the allocator's own record of an inference forward and a training step, for pytorch.org/memory_viz
+
+
+def made_at(frames):  # the innermost Python line outside torch itself
+    for frame in frames:
+        if "/torch/" not in frame["filename"]:
+            return f"{os.path.basename(frame['filename'])}:{frame['line']} {frame['name']}"
+    if frames:
+        return f"{frames[0]['name']} (inside torch)"
+    return "autograd's thread (no Python line)"
+
+
+def trace_summary(trace, marks, top=5):
+    """{phase: (peak bytes above the level where recording began, its `top` largest allocations as (bytes, where))}
+    from the allocator's trace (a snapshot's "device_traces"[device]): marks [(phase, index of its first entry
+    after it)] split the trace. A free of a block allocated before recording counts at its size. The allocator
+    records sizes (rounded up to 512 bytes) and Python stacks, not shapes."""
+    live, level, start, out = {}, 0, 0, {}
+    for phase, end in marks:
+        peak, made = level, []
+        for entry in trace[start:end]:
+            if entry["action"] == "alloc":
+                live[entry["addr"]] = entry["size"]
+                level += entry["size"]
+                peak = max(peak, level)
+                made.append((entry["size"], made_at(entry.get("frames", []))))
+            elif entry["action"] == "free_completed":
+                level -= live.pop(entry["addr"], entry["size"])
+        out[phase] = (peak, sorted(made, reverse=True)[:top])
+        start = end
+    return out
+
+
+def print_trace_summary(summary, base):
     rows = []
-    for N in sorted({8, 64, W}):
-        for stage, name in enumerate(SCHEMES):
-            parts = per_rank_bytes(n, N, stage)
-            b = sum(parts.values()) + act
-            rows.append([f"{name}, {N} ranks", *(f"{v / GB:,.1f}" for v in parts.values()), f"{act / GB:,.1f}",
-                         f"{b / GB:,.1f}", "yes" if b <= args.device_gb * GB else "no"])
-    print_table(["scheme", "weights GB", "gradients GB", "optimizer GB", "activations GB", "total GB",
-                 f"fits {args.device_gb:g} GB"], rows)
-    need = math.ceil(total / (args.device_gb * GB - act)) if args.device_gb * GB > act else "n/a"
-    print(f"parallel: N_FSDP = {need} devices of {args.device_gb:g} GB hold {total / GB:,.0f} GB with "
-          f"{args.act_gb:g} GB of activations each")
-
-# takeaway: ZeRO shards optimizer state, then gradients, then weights; only full sharding divides all 16 bytes.
-
-# --- 6. snapshot: the allocator's own record of a step, for pytorch.org/memory_viz
+    for phase, (peak, largest) in summary.items():
+        for i, (size, where) in enumerate(largest):
+            rows.append([phase if i == 0 else "", mib(base + peak) if i == 0 else "", i + 1, mib(size), where])
+    print_table(["phase", "its peak MiB (allocated)", "#", "allocation MiB", "made at"], rows)
 
 
-def part_snapshot(args, device):
-    cfg, dtype = config_of(args), amp_dtype(args.bf16)
+def trace_length(device):  # entries recorded so far; a mark between phases
+    synchronize(device)
+    return len(torch.cuda.memory._snapshot()["device_traces"][device.index])
+
+
+def record_phases(model, opt, x, y, dtype, device, phase):
+    """Marks [(phase, trace length)] while recording an inference forward (no grad: nothing saved, the logits whole)
+    and/or a training step (forward, backward, optimizer)."""
+    marks = []
+    if phase in ("forward", "both"):
+        with torch.no_grad(), autocast(device, dtype):
+            model(x)
+        marks.append(("inference forward (no grad)", trace_length(device)))
+    if phase in ("step", "both"):
+        step(model, opt, x, y, dtype, lambda name: marks.append((f"step: {name}", trace_length(device))))
+    return marks
+
+
+def part_snapshot(device, cfg, B, T, dtype, phase, out, top):
     try:
         with torch.device(device):
             model = GPT(cfg)
-        opt, (x, y) = configure_optimizer(model, lr=1e-4), random_batch(cfg, args.batch, args.seq, device)
+        opt, (x, y) = configure_optimizer(model, lr=1e-4), random_batch(cfg, B, T, device)
         step(model, opt, x, y, dtype)  # AdamW's state exists before recording starts
-        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
-        for _ in range(2):
-            step(model, opt, x, y, dtype)
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+        marks = record_phases(model, opt, x, y, dtype, device, phase)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_oom(e):
             raise
         torch.cuda.memory._record_memory_history(enabled=None)
         model = opt = x = y = e = None
         free_memory()
-        fail_out_of_memory(cfg, args.batch, args.seq, dtype, device)
-    torch.cuda.memory._dump_snapshot(args.out)
+        fail_out_of_memory(cfg, B, T, dtype, device)
+    torch.cuda.memory._dump_snapshot(out)
+    summary = trace_summary(torch.cuda.memory._snapshot()["device_traces"][device.index], marks, top)
     torch.cuda.memory._record_memory_history(enabled=None)
-    print(f"snapshot: 2 steps recorded in {args.out}, peak {gib(torch.cuda.max_memory_allocated(device))} GiB "
-          f"allocated; drag the file onto https://pytorch.org/memory_viz to see every allocation, its size and the "
-          f"Python line that made it")
+    print_trace_summary(summary, base)
+    print(f"snapshot: {phase} recorded in {out}, peak {gib(torch.cuda.max_memory_allocated(device))} GiB allocated "
+          f"(weights and AdamW state {gib(base)} GiB); drag the file onto https://pytorch.org/memory_viz to see every "
+          f"allocation, its size and the Python line that made it")
 
 # takeaway: when the model and the allocator disagree, the snapshot names every allocation and its line.
 
 # --- 7. command line
 
-# per part: (model, batch, seq) on a GPU, and seconds-long sizes on a CPU
-DEFAULTS = {"checkpoint": (("2.7B", 4, 2048), ("tiny", 2, 64)), "parallel": ((None, 4, 1024), (None, 4, 1024))}
+# per part: (model, batch, seq) seconds-long on a CPU and the headline on a GPU, as gpt.on_device picks
+DEFAULTS = {"account": (("tiny", 2, 64), ("gpt2", 8, 512)), "checkpoint": (("tiny", 2, 64), ("xl", 4, 2048)),
+            "snapshot": (("tiny", 2, 64), ("gpt2", 4, 128)), "parallel": ((None, 64, 1024), (None, 64, 1024))}
+MAX_SEQ = 1 << 16
+XXL = (16384, 53248, 126)  # the course's worked model: d_model, d_ff, blocks of two linear layers
 
 
-def main(argv=None):
+def course_d_ff(d_model, d_ff):  # the course's model: 4 d_model unless given; the worked example's by default
+    if d_ff:
+        return d_ff
+    return 4 * d_model if d_model else XXL[1]
+
+
+def parallel_shape(model, T, overrides, d, d_ff, layers, params, width):  # a preset's, or the course's blocks
+    if model:
+        return gpt_shape(model, config_of(model, T, **overrides), T, width)
+    return mlp_shape(d or XXL[0], course_d_ff(d, d_ff), layers or XXL[2], params, width)
+
+
+def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", help=" | ".join(PARTS))
-    p.add_argument("--model", help="preset (default gpt2 on a GPU, tiny on a CPU; parallel: the worked example)")
-    p.add_argument("--batch", type=int)
-    p.add_argument("--seq", type=int)
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast (weights stay fp32)")
+    p.add_argument("part", choices=PARTS)
+    p.add_argument("--model", help="preset (default gpt2 on a GPU, xl for checkpoint, tiny on a CPU; parallel: the "
+                                   "course's worked model of two-linear blocks)")
+    p.add_argument("--batch", type=int_in(1), help="sequences (parallel: the global batch)")
+    p.add_argument("--seq", type=int_in(1, MAX_SEQ), help="tokens (beyond a preset's block size wpe grows)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast, fp32 weights; parallel: 2-byte activations")
     p.add_argument("--attn", default="sdpa")
-    p.add_argument("--vocab", type=int, default=GPT2_VOCAB)
+    p.add_argument("--vocab", type=int_in(GPT2_VOCAB), default=GPT2_VOCAB)
     p.add_argument("--unfused", action="store_true", help="plain lm_head + F.cross_entropy instead of the fused loss")
-    p.add_argument("--recompute", type=int, default=0, metavar="K", help="checkpoint every K-th block (gpt.py)")
+    p.add_argument("--recompute", type=int_in(0), default=0, metavar="K", help="checkpoint every K-th block (gpt.py)")
     p.add_argument("--fsdp", action="store_true", help="account: predict a rank of torchrun train.py --fsdp")
     p.add_argument("--ddp", action="store_true", help="account: predict a rank of torchrun train.py (DDP)")
     p.add_argument("--compile", action="store_true", help="account: torch.compile's saved tensors (and measure so)")
-    p.add_argument("--world", type=int, help="ranks for --fsdp, --ddp and parallel (default 2; worked example 16)")
+    p.add_argument("--world", type=int_in(2), help="account --fsdp/--ddp: ranks (default 2)")
     p.add_argument("--device")
     p.add_argument("--sweep", action="store_true", help="account: gpt2..xl x T=128..1024, fp32 and bf16 (CUDA)")
-    p.add_argument("--rounds", type=int, help="checkpoint: interleaved timing rounds (default 10; 2 on a CPU)")
+    p.add_argument("--rounds", type=int_in(1), help="checkpoint: interleaved timing rounds (default 5; 2 on a CPU)")
+    p.add_argument("--groups", type=int_list(1), help="checkpoint: group sizes, e.g. 4,7 (default: near the best)")
+    p.add_argument("--phase", choices=("forward", "step", "both"), default="both",
+                   help="snapshot: an inference forward (no grad), a training step, or both")
+    p.add_argument("--top", type=int_in(1), default=5, help="snapshot: largest allocations listed per phase")
     p.add_argument("--out", default="memory_snapshot.pickle", help="snapshot: the .pickle to write")
-    p.add_argument("--params", type=int, help="parallel: parameter count (default: the worked example)")
-    p.add_argument("--device-gb", type=float, default=95.0, help="parallel: memory per device, GB")
-    p.add_argument("--act-gb", type=float, default=0.0, help="parallel: activation GB per device")
-    args = p.parse_args(argv)
-    if args.part not in PARTS:
-        fail(f"unknown part '{args.part}'; choose from {', '.join(PARTS)}")
+    p.add_argument("--devices", type=int_in(1), default=64, help="parallel: devices in all")
+    p.add_argument("--tp", type=int_in(1), default=4, help="parallel: tensor-parallel degree of the TP layouts")
+    p.add_argument("--bandwidth-gbs", type=float_in(1e-3), default=180.0, help="parallel: link bandwidth, GB/s")
+    p.add_argument("--latency-us", type=float_in(0), default=5.0, help="parallel: latency per collective step, us")
+    p.add_argument("--device-gb", type=float_in(1e-3), default=95.0, help="parallel: memory per device, GB")
+    p.add_argument("--params", type=int_in(1), help="parallel: parameter count of the course's model")
+    p.add_argument("--d-model", type=int_in(1), help="parallel: the course's model's width (default 16384)")
+    p.add_argument("--d-ff", type=int_in(1), help="parallel: its hidden width (default 4 d_model; 53248)")
+    p.add_argument("--layers", type=int_in(1), help="parallel: its blocks (default 126)")
+    return p.parse_args(argv)
+
+
+def checks(args, cuda, cfg):
+    """Rules across flags: (ok, the sentence when not)."""
+    rank, course = args.fsdp or args.ddp, args.d_model or args.d_ff or args.layers or args.params
+    return [(cuda or args.attn not in GPU_ONLY_ATTENTION, f"--attn {args.attn} needs a CUDA GPU"),
+            (not args.sweep or (args.part == "account" and cuda and not (rank or args.compile)),
+             "--sweep is for account on a CUDA GPU (measured peaks), one process, eager"),
+            (not (rank or args.compile) or args.part == "account", "--fsdp, --ddp and --compile apply to account"),
+            (not (args.fsdp and args.ddp), "--fsdp and --ddp exclude each other"),
+            (not (args.compile and args.unfused), "--compile models the fused loss (compile rewrites the plain one)"),
+            (cuda or rank or not args.compile, "--compile is measured on a CUDA GPU (predicted with --fsdp/--ddp)"),
+            (args.part != "checkpoint" or not (args.recompute or args.unfused),
+             "checkpoint compares its own group sizes with the fused loss; leave out --recompute and --unfused"),
+            (not args.groups or args.part == "checkpoint", "--groups applies to checkpoint"),
+            (not args.groups or max(args.groups) <= cfg.n_layer,
+             f"--groups {max(args.groups or [0])} is larger than the model's {cfg.n_layer} layers"),
+            (args.part != "snapshot" or args.out.endswith(".pickle"), f"--out {args.out} must name a .pickle file"),
+            (not (course and args.model), "give --model or the course's --d-model/--d-ff/--layers/--params, not both"),
+            (args.world is None or args.part == "account", "--world applies to account (parallel takes --devices)"),
+            (args.part != "parallel" or args.devices % args.tp == 0,
+             f"--devices {args.devices} is not divisible by --tp {args.tp}"),
+            (args.part != "parallel" or not args.model or cfg.n_head % args.tp == 0,
+             f"--tp {args.tp} does not divide {args.model}'s {cfg.n_head} attention heads"),
+            (args.part != "parallel" or args.model or course_d_ff(args.d_model, args.d_ff) % args.tp == 0,
+             f"--tp {args.tp} does not divide d_ff {course_d_ff(args.d_model, args.d_ff)}")]
+
+
+def main(argv=None):
+    args = parse(argv)
     try:
         device = resolve_device(args.device)
-        cuda = device.type == "cuda"
-        args.models, args.seqs = [args.model] if args.model else SWEEP_MODELS, [args.seq] if args.seq else SWEEP_SEQS
-        model, batch, seq = DEFAULTS.get(args.part, (("gpt2", 8, 512), ("tiny", 2, 64)))[not cuda]
-        for name, value in (("model", model), ("batch", batch), ("seq", seq), ("rounds", 10 if cuda else 2),
-                            ("world", 16 if args.part == "parallel" and not args.model else 2)):
-            if getattr(args, name) is None:
-                setattr(args, name, value)
-        cfg = config_of(args, args.model or "gpt2")
+        model, batch, seq = on_device(device, *DEFAULTS[args.part])
+        model, B, T = args.model or model, args.batch or batch, args.seq or seq
+        overrides = dict(attn=args.attn, vocab_size=args.vocab, fused_ce=not args.unfused, recompute=args.recompute)
+        cfg = config_of(model or "gpt2", T, **overrides)
     except ValueError as e:
         fail(str(e))
-    limit = 1 << 16 if args.part == "checkpoint" else cfg.block_size  # checkpoint grows the block size
-    rank = args.fsdp or args.ddp  # a rank of torchrun train.py: predicted, not measured
-    checks = [(1 <= args.seq <= limit, f"--seq {args.seq} must be between 1 and the block size {limit}"),
-              (min(args.batch, args.rounds, 1 if args.params is None else args.params) >= 1,
-               "--batch, --rounds and --params must be positive"),
-              (args.world >= 1 + rank, f"--world {args.world} must be at least {1 + rank}"),
-              (args.device_gb > 0 and args.act_gb >= 0, "--device-gb must be positive and --act-gb not negative"),
-              (cuda or args.attn not in GPU_ONLY_ATTENTION, f"--attn {args.attn} needs a CUDA GPU"),
-              (not args.sweep or (args.part == "account" and cuda and not (rank or args.compile)),
-               "--sweep is for account on a CUDA GPU (measured peaks), one process, eager"),
-              (not (rank or args.compile) or args.part == "account", "--fsdp, --ddp and --compile apply to account"),
-              (not (args.fsdp and args.ddp), "--fsdp and --ddp exclude each other"),
-              (not (args.compile and args.unfused), "--compile models the fused loss (compile rewrites the plain one)"),
-              (cuda or rank or not args.compile, "--compile is measured on a CUDA GPU (predicted with --fsdp/--ddp)"),
-              (args.part != "checkpoint" or not (args.recompute or args.unfused),
-               "checkpoint compares its own group sizes with the fused loss; leave out --recompute and --unfused"),
-              (args.part != "snapshot" or args.out.endswith(".pickle"), f"--out {args.out} must name a .pickle file")]
-    for ok, message in checks:
+    cuda, dtype = device.type == "cuda", amp_dtype(args.bf16)
+    for ok, message in checks(args, cuda, cfg):
         if not ok:
             fail(message)
+    if args.part == "parallel":  # pure arithmetic
+        shape = parallel_shape(args.model, T, overrides, args.d_model, args.d_ff, args.layers, args.params,
+                               2 if args.bf16 else 4)
+        part_parallel(shape, args.devices, args.tp, B, T, 2 if args.bf16 else 4, args.latency_us * 1e-6,
+                      args.bandwidth_gbs * GB, args.device_gb)
+        return
     if args.part == "snapshot":
         try:
             check_output_path(args.out, "--out", ours=lambda path: open(path, "rb").read(1) == b"\x80")
@@ -633,10 +1021,26 @@ def main(argv=None):
             fail(str(e))
         if not cuda:
             fail("snapshot records the CUDA allocator: it needs a CUDA GPU")
-    if not cuda and args.part in ("account", "checkpoint") and not rank:
+    preset = make_config(model).block_size
+    if T > preset:
+        print(f"--seq {T} is longer than {model}'s {preset}-token context: its learned position table (wpe) is "
+              f"extended to {T} rows, randomly initialised like every weight here (memory and time are measured)")
+    if not cuda and not (args.fsdp or args.ddp):  # (snapshot refused the CPU above)
         print(f"no CUDA: {args.part} counts live tensors on the CPU at seconds-long sizes "
-              f"(model {args.model}, batch {args.batch}, seq {args.seq})")
-    globals()["part_" + args.part.replace("-", "_")](args, device)
+              f"(model {model}, batch {B}, seq {T})")
+    if args.part == "account" and (args.fsdp or args.ddp):
+        predict_rank(cfg, B, T, dtype, args.world or 2, args.fsdp, args.compile)
+    elif args.part == "account":
+        runs = [(model, T, dtype)]
+        if args.sweep:
+            runs = [(m, t, dt) for m in ([args.model] if args.model else SWEEP_MODELS)
+                    for t in ([args.seq] if args.seq else SWEEP_SEQS) for dt in (None, torch.bfloat16)]
+        part_account(device, runs, B, overrides, args.compile, args.sweep)
+    elif args.part == "checkpoint":
+        rounds, groups = args.rounds or on_device(device, cpu=2, gpu=5), args.groups or on_device(device, [1, 2], None)
+        part_checkpoint(device, cfg, B, T, dtype, rounds, groups)
+    else:
+        part_snapshot(device, cfg, B, T, dtype, args.phase, args.out, args.top)
 
 
 if __name__ == "__main__":

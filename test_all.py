@@ -828,7 +828,8 @@ def test_bench_e2e_gpu_ladder_peaks_oom():
         rows = [line.split() for line in out.splitlines() if line.startswith("train ")]
         assert [r[1] for r in rows] == ["0", "1", "2"] and "warm-up table:" in out.splitlines()[-1], out + err
 
-# --- 6. memory.py: the model against live tensors (one process, DDP and FSDP ranks); parallel; bad input
+# --- 6. memory.py: the model against live tensors (one process, DDP, FSDP, nested checkpoints); snapshot summary;
+# the parallel calculator by hand; bad input
 
 def test_memory_account_exact_on_cpu():
     """memory.account = live tensors counted op by op: state, saved, phase and per-block peaks, in 11 layouts."""
@@ -845,7 +846,8 @@ def test_memory_account_exact_on_cpu():
             return gpt.fully_shard_gpt(model, dtype)
         if how == "ddp":
             (model := DistributedDataParallel(model)).register_comm_hook(None, no_comm)
-        return memory.grouped_forward(model, k) if k else model
+            return model
+        return memory.checkpointed(model, how or "none", k)
     bf16, default, seen = torch.bfloat16, gpt.CE_CHUNK_ROWS, set()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -853,7 +855,8 @@ def test_memory_account_exact_on_cpu():
                 (1, 32, None, "", 0, 0, {}), (6, 64, bf16, "", 0, 160, {}), (1, 32, bf16, "", 0, 0, {}),
                 (2, 64, None, "", 0, 0, {"fused_ce": False}), (2, 32, bf16, "", 0, 0, {"fused_ce": 0, "attn": "naive"}),
                 (8, 64, bf16, "", 0, 0, {"recompute": 1}), (4, 64, None, "", 0, 0, {"recompute": 3}),
-                (2, 64, None, "", 3, 0, {}), (4, 64, bf16, "fsdp", 0, 0, {"recompute": 1}),
+                (2, 64, None, "flat", 3, 0, {}), (4, 64, bf16, "fsdp", 0, 0, {"recompute": 1}),
+                (4, 64, bf16, "nested", 3, 160, {}),
                 (4, 64, None, "fsdp", 0, 0, {}), (4, 64, bf16, "ddp", 0, 0, {"recompute": 2})):
             gpt.CE_CHUNK_ROWS = memory.CE_CHUNK_ROWS = chunk or default
             torch.manual_seed(0)
@@ -861,7 +864,8 @@ def test_memory_account_exact_on_cpu():
             forward, opt = wrap(model, how, dtype, k), gpt.configure_optimizer(model, lr=1e-3)
             x, y = memory.random_batch(cfg, B, T, "cpu")
             memory.step(model, opt, x, y, dtype, forward=forward)  # AdamW's state now exists
-            pred = memory.account(cfg, B, T, dtype, "cpu", world=2 * (how == "fsdp"), groups=k, ddp=how == "ddp")
+            pred = memory.account(cfg, B, T, dtype, "cpu", world=2 * (how == "fsdp"), groups=k, ddp=how == "ddp",
+                                  nested=how == "nested")
             what, state = f"{B}x{T} {dtype} {how} k={k} chunk={chunk} {kw}", pred["moments"]["optimizer step"]
             nbytes = memory.LiveBytes(memory.state_tensors(model, opt)).now()  # DTensors: the local shards
             assert nbytes == state["weights (fp32)"] + state["AdamW moments + step"], (what, nbytes)
@@ -879,7 +883,8 @@ def test_memory_account_exact_on_cpu():
             bad = [f"{at}: predicted {p:,}, measured {m:,}" for at, (p, m) in spans.items() if abs(p / m - 1) > 1e-3]
             assert not bad, (what, bad)
             if how != "fsdp":
-                saved = memory.saved_bytes(lambda: forward(x, y), dtype, "cpu", [*model.parameters(), x, y])
+                with gpt.autocast("cpu", dtype):
+                    saved = gpt.saved_tensor_bytes(lambda: forward(x, y), [*model.parameters(), x, y])
                 assert saved == pred["saved"], (what, saved, pred["saved"])
             seen |= {pred["phases"]["forward"][1], pred["phases"]["backward"][1]}
             if k:
@@ -890,37 +895,111 @@ def test_memory_account_exact_on_cpu():
         dist.destroy_process_group()
     assert {"forward: loss chunk", "forward: loss end", "forward end", "backward start", "backward end"} <= seen
 
-def test_memory_parallel_rows_and_max_batch():
-    """Per-rank bytes of DP, ZeRO-1/2 and FSDP; the GPT rows; the largest batch that fits a budget."""
-    n = 126 * 2 * 16384 * 53248
-    for stage, sharded in enumerate((0, 8, 12, 16)):
-        assert sum(memory.per_rank_bytes(n, 8, stage).values()) == n * (16 - sharded) + n * sharded / 8
+def test_memory_nested_checkpointing_matches_and_lowers_peak():
+    """Groups of 2 of 6 blocks, each block checkpointed again inside: the plain model's loss and gradients, and a
+    lower peak of live tensors than no checkpointing, as account predicts it."""
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg := gpt.make_config("tiny", n_layer=6))
+    opt, (x, y) = gpt.configure_optimizer(model, lr=1e-3), memory.random_batch(cfg, 2, 128, "cpu")
+    outs = []
+    for scheme in ("none", "nested"):
+        loss = memory.checkpointed(model, scheme, 2)(x, y)[1]
+        outs.append([loss.detach(), *torch.autograd.grad(loss, list(model.parameters()))])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*outs))
+    peaks = {s: max(memory.live_peaks(model, opt, x, y, None, memory.checkpointed(model, s, 2)).values())
+             for s in ("none", "nested")}
+    assert peaks["nested"] < peaks["none"], peaks
+    predicted = memory.account(cfg, 2, 128, None, "cpu", groups=2, nested=True)["peak"]
+    assert abs(predicted / peaks["nested"] - 1) < 1e-4, (predicted, peaks)  # as close as the exactness test asks
+
+def test_memory_snapshot_summary_from_a_synthetic_trace():
+    """Each phase's peak above the level where recording began, its largest allocations and the line that made them."""
+    def alloc(addr, size, line=0):  # a frame inside torch, then gpt.py's line; none: autograd's C++ thread
+        inner = {"filename": "/v/torch/nn/functional.py", "line": 1, "name": "linear"}
+        frames = [inner, {"filename": "/r/gpt.py", "line": line, "name": "forward"}] if line else []
+        return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
+    def free(addr, size):
+        return {"action": "free_completed", "addr": addr, "size": size}
+    trace = [alloc(1, 100, 10), alloc(2, 300, 11), free(1, 100), alloc(3, 50, 12),  # level 350, peak 400
+             alloc(4, 1000), free(2, 300), free(4, 1000), free(9, 70),  # peak 1350; 9: allocated before recording
+             alloc(5, 10, 13), free(5, 10)]
+    got = memory.trace_summary(trace, [("forward", 4), ("backward", 8), ("optimizer", 10)], top=2)
+    assert got["forward"] == (400, [(300, "gpt.py:11 forward"), (100, "gpt.py:10 forward")]), got
+    assert got["backward"] == (1350, [(1000, "autograd's thread (no Python line)")]), got
+    assert got["optimizer"] == (-10, [(10, "gpt.py:13 forward")]), got
+
+def test_memory_parallel_calculator_by_hand():
+    """Ring and tree all-reduce by hand, their crossover, bytes per device = total / degree for what is sharded."""
+    a, b = 1e-5, 1e9  # 10 us, 1 GB/s
+    assert math.isclose(memory.ring_all_reduce_s(4, 1e6, a, b), 2 * 3 * a + 2 * 3 / 4 * 1e-3)
+    assert math.isclose(memory.tree_all_reduce_s(4, 1e6, a, b), 2 * 2 * (a + 1e-3))
+    assert math.isclose(memory.crossover_bytes(4, a, b), a * b * (3 - 2) / (2 - 3 / 4))  # 8,000 bytes
+    assert memory.ring_all_reduce_s(2, 1e6, a, b) < memory.tree_all_reduce_s(2, 1e6, a, b)  # never loses at n=2
+    for n in (3, 8, 64, 1000):
+        star = memory.crossover_bytes(n, a, b)
+        for size in (star / 10, star * 0.99, star * 1.01, star * 10):
+            ring_wins = memory.ring_all_reduce_s(n, size, a, b) < memory.tree_all_reduce_s(n, size, a, b)
+            assert ring_wins == (size > star), (n, size, star)
+    shape = memory.mlp_shape(8, 32, 2, 0, 2)  # 2 blocks 8 -> 32 -> 8: 1024 params; saves 2x8 + 2x32 B a token
+    P, kw = 1024, dict(B=8, T=4, width=2, alpha=a, beta=b)
+    costs = {(t, stage): memory.layout_costs(shape, 8, t, stage, **kw)[:3] for t in (1, 4) for stage in (0, 3)}
+    assert costs[1, 0][0] == {"weights": 4 * P, "gradients": 4 * P, "optimizer state": 8 * P,
+                              "activations": 1 * 4 * 2 * (16 + 64)}  # 1 sequence per device
+    assert costs[1, 3][0] == {"weights": 4 * P / 8, "gradients": 4 * P / 8, "optimizer state": 8 * P / 8,
+                              "activations": 640}
+    assert costs[4, 0][0] == {"weights": 4 * P / 4, "gradients": 4 * P / 4, "optimizer state": 8 * P / 4,
+                              "activations": 4 * 4 * 2 * (16 + 64 / 4)}  # D = 2: 4 sequences, MLP split 4 ways
+    assert costs[4, 3][0]["optimizer state"] == 8 * P / 8 and costs[4, 3][0]["activations"] == 1024
+    assert costs[1, 0][1] == 2 * 7 / 8 * 4 * P and costs[1, 3][1] == 7 / 8 * (2 * 2 + 4) * P
+    assert costs[4, 0][1] == 2 * 1 / 2 * 4 * P / 4 + 2 * 2 * (2 * 3 / 4) * (4 * 4 * 8 * 2)  # DP over 2, TP's 4
+    assert math.isclose(costs[1, 0][2], memory.ring_all_reduce_s(8, 4 * P, a, b))
     code, out, _ = call_main("memory.py", "parallel")
+    n = 126 * 2 * 16384 * 53248
     assert code == 0 and "219,848,638,464 parameters" in out and f"N_FSDP = {-(-n * 16 // (95 * 10**9))} " in out
-    out = call_main("memory.py", "parallel", "--model", "xl", "--world", "2", "--bf16")[1]
-    rows = {line.split(",")[0]: line.split()[-5:] for line in out.splitlines() if " ranks " in line}
-    fsdp, cfg = memory.account(gpt.make_config("xl"), 4, 1024, torch.bfloat16, world=2), gpt.make_config("gpt2")
-    assert rows["FSDP (ZeRO-3)"][0] == f"{4 * fsdp['params'] / 2**30:.2f}" and rows["ZeRO-2"][0] == rows["DP"][0]
-    assert float(rows["ZeRO-2"][1]) * 2 == float(rows["DP"][1]) and f"{fsdp['peak'] / 2**30:.2f} GiB" in out, out
+    assert out.count("\n  ring = ") == 1 and "FSDP x TP" in out and "TP sends" in out, out
+    cfg = gpt.make_config("gpt2")
     budgets = [memory.account(cfg, B, 1024, torch.bfloat16)["peak"] - d for B, d in ((37, 1), (12, 0))]
     assert [memory.predict_max_batch(cfg, 1024, torch.bfloat16, budget) for budget in budgets] == [36, 12]
 
 def test_memory_bad_input():
     with tempfile.TemporaryDirectory() as d:
         open(theirs := os.path.join(d, "theirs.pickle"), "w").write("not ours")
-        check_bad_inputs("memory.py", {
-            "nonsense": "unknown part", "account --model huge": "unknown model", "account --seq 4096": "block",
-            "account --device banana": "not a device", "account --device cuda:7": "cuda",
-            "account --batch 0": "positive", "account --vocab 100": "vocab",
-            "account --model tiny --recompute 9": "recompute", "account --fsdp --ddp": "exclude",
-            "account --fsdp --world 1": "--world", "account --compile --device cpu": "--compile",
-            "checkpoint --recompute 1": "recompute", "parallel --fsdp": "apply to account",
-            "account --sweep --fsdp": "--sweep", "parallel --device-gb 0": "device-gb", "parallel --act-gb -1": "act",
-            "checkpoint --rounds 0": "positive", "parallel --params -5": "positive", "snapshot --out a": ".pickle",
-            "snapshot --device cpu": "needs a CUDA GPU", "account --attn cudnn --device cpu": "needs a CUDA GPU",
-            ("snapshot", "--out", theirs): "not a file this script wrote",
-            ("snapshot", "--out", os.path.join(d, "missing", "s.pickle")): "does not exist",
-            "account --batch 100000 --device cpu": "of this machine's memory"})  # the last: refused, not OOM-killed
+        check_bad_inputs("memory.py", [
+            ("nonsense", "invalid choice"),
+            ("account --model huge", "unknown model"),
+            ("account --seq 0", "--seq: must be at least 1"),
+            ("account --seq 100000", "--seq: must be at most 65536"),
+            ("account --device banana", "not a device"),
+            ("account --device cuda:7", "cuda"),
+            ("account --batch 0", "--batch"),
+            ("account --vocab 100", "vocab"),
+            ("account --model tiny --recompute 9", "recompute"),
+            ("account --fsdp --ddp", "exclude"),
+            ("account --fsdp --world 1", "--world"),
+            ("account --compile --device cpu", "--compile"),
+            ("checkpoint --recompute 1", "recompute"),
+            ("checkpoint --rounds 0", "--rounds"),
+            ("checkpoint --groups 0", "--groups"),
+            ("checkpoint --device cpu --groups 2,5", "larger than"),
+            ("account --groups 2", "applies to checkpoint"),
+            ("parallel --fsdp", "apply to account"),
+            ("parallel --world 4", "--devices"),
+            ("account --sweep --fsdp", "--sweep"),
+            ("parallel --device-gb 0", "device-gb"),
+            ("parallel --tp 0", "--tp"),
+            ("parallel --devices 6 --tp 4", "not divisible"),
+            ("parallel --model gpt2 --tp 5 --devices 5", "does not divide"),
+            ("parallel --devices 6 --tp 3", "does not divide d_ff"),
+            ("parallel --model gpt2 --layers 4", "not both"),
+            ("parallel --bandwidth-gbs 0", "bandwidth"),
+            ("parallel --params -5", "--params"),
+            ("snapshot --out a", ".pickle"),
+            ("snapshot --phase sideways", "invalid choice"),
+            ("snapshot --device cpu", "needs a CUDA GPU"),
+            ("account --attn cudnn --device cpu", "needs a CUDA GPU"),
+            (("snapshot", "--out", theirs), "not a file this script wrote"),
+            (("snapshot", "--out", os.path.join(d, "missing", "s.pickle")), "does not exist"),
+            ("account --batch 100000 --device cpu", "of this machine's memory")])  # the last: refused, not OOM-killed
     err = io.StringIO()  # weights alone beyond any host: "not even batch 1", never "batch 0 fits"
     with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
         memory.check_host_fits(gpt.make_config("2.7B", n_layer=2000), 1, 64, None, 1 << 60)
@@ -928,15 +1007,20 @@ def test_memory_bad_input():
 
 @gpu
 def test_memory_on_the_gpu():
-    """Predicted peak within 10% of max_memory_allocated; a snapshot is written; a batch too big names one that fits."""
+    """Predicted peak within 10% of max_memory_allocated; snapshots of both phases at T=128 and 2048 (position table
+    grown), summarized; nested checkpointing runs; a batch too big names one that fits."""
     for fused, dtype in ((fused, dtype) for fused in (True, False) for dtype in (None, torch.bfloat16)):
         cfg = gpt.make_config("gpt2", fused_ce=fused)
         measured = max(memory.measure_step(cfg, 8, 512, dtype, torch.device("cuda", 0)).values())
         assert abs(memory.account(cfg, 8, 512, dtype)["peak"] / measured - 1) <= 0.10, (fused, dtype, measured)
     with tempfile.TemporaryDirectory() as d:
-        snap = os.path.join(d, "s.pickle")
-        code, out, err = call_main("memory.py", "snapshot", "--seq", 256, "--batch", 4, "--bf16", "--out", snap)
-        assert code == 0 and os.path.getsize(snap) > 0 and "memory_viz" in out, (out, err)
+        for seq in (128, 2048):
+            out, err = main_ok("memory.py", "snapshot", "--seq", seq, "--batch", 2, "--bf16", "--out", f"{d}/s.pickle")
+            assert os.path.getsize(f"{d}/s.pickle") > 0 and "memory_viz" in out and "step: backward" in out, out
+            assert ("position table" in out) == (seq == 2048), out
+    out, _ = main_ok("memory.py", "checkpoint", "--model", "gpt2", "--batch", 2, "--seq", 2048, "--groups", "3",
+                     "--rounds", 2, "--bf16")
+    assert "checkpoint: best" in out and "nested g=3" in out, out
     check_bad_inputs("memory.py", [("account --model xl --batch 4096 --seq 1024", "predicts batch")])
 
 
