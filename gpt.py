@@ -210,19 +210,27 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # parameters() counts a tied one once
 
-    def forward(self, idx, targets=None, blocks=None):  # logits detached with a loss: compile zero-fills their grad
-        T = idx.size(1)
+    def forward(self, idx, targets=None, blocks=None):
+        """idx (B, T) token ids -> (logits (B, T, vocab), loss). With targets while training and the fused loss:
+        (None, loss), the logits never exist. With targets otherwise the logits come back detached: compile would
+        zero-fill their gradient every step. blocks: what runs in place of self.h (memory.py passes checkpointed
+        groups of blocks), each a function x -> x."""
+        B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than the block size {self.config.block_size}")
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
-        K, blocks = self.config.recompute, self.h if blocks is None else blocks  # blocks: x -> x, memory.py's groups
-        for i, block in enumerate(blocks):  # recompute: keep a block's input, redo its activations in backward
-            recompute = K and i % K == 0 and torch.is_grad_enabled()
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C) + (T, C) broadcast
+        if blocks is None:
+            blocks = self.h
+        K = self.config.recompute
+        for i, block in enumerate(blocks):
+            if K and i % K == 0 and torch.is_grad_enabled():  # keep the block's input, redo its activations in backward
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         x = self.ln_f(x)
         if targets is not None and self.config.fused_ce and torch.is_grad_enabled():
-            return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
-        logits = self.lm_head(x)
+            return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())  # (B*T, C)
+        logits = self.lm_head(x)  # (B, T, vocab)
         if targets is None:
             return logits, None
         return logits.detach(), F.cross_entropy(logits.flatten(0, 1), targets.flatten())
