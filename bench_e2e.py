@@ -600,6 +600,9 @@ def naive_attention_rows(prof, config, B, T, steps, cuda):
 
 def profile_steps(bench, B, T, device, warmup, steps):
     from torch.profiler import ProfilerActivity, profile
+    # Kineto, the profiler's library, prints "USDT: ... profiler_start/stop" at each profile unless its log level is
+    # above every level (6); it is read when the first profile starts
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     x, y = batch_of(B, T, device)
     for _ in range(warmup):  # compile, allocate and tune before anything is recorded
         run_step("train", bench, x, y)

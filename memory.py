@@ -16,6 +16,7 @@ max_memory_allocated on a GPU; `checkpoint` trades activations for recomputation
 import argparse
 import math
 import os
+import sys
 import weakref
 from dataclasses import dataclass
 from functools import partial
@@ -211,7 +212,12 @@ def fused_loss_moments(s, alive, saved, n_checkpointed):
     d, V, N, mm = s.config.n_embd, s.config.vocab_size, s.N, s.matmul
     loss_saved = s.ln * N * d + s.lm_head_bytes * V * d  # ln_f's output, lm_head's weight
     chunk_rows = [min(CE_CHUNK_ROWS, N - start) for start in range(0, N, CE_CHUNK_ROWS)]
-    cpu_temps = 0 if s.cuda else (8 + (4 if mm != 4 else 0)) * min(V, GPT2_VOCAB)
+    cpu_temps = 0  # fp32 bytes per row the CPU path makes: z - lse and its exp, and the upcast under 16-bit
+    if not s.cuda:
+        upcast = 0
+        if mm != 4:
+            upcast = 4
+        cpu_temps = (8 + upcast) * min(V, GPT2_VOCAB)
     chunk_peak = max(mm * V * rows + max(mm * V * prev, cpu_temps * rows, mm * rows * d)
                      for prev, rows in zip([0] + chunk_rows, chunk_rows))
     ln_f_out = s.ln * N * d + (mm * N * d if mm != s.ln else 0)
@@ -550,7 +556,12 @@ def part_account(device, runs, B, overrides, compiled, sweep):
     if sweep:
         print_table(["model / seq / dtype", "predicted GiB", "measured GiB", "error %", "measured peak phase",
                      "predicted peak moment"], rows)
-    worst = f"{max(map(abs, errors)):.{1 if cuda else 4}f}%" if errors else "n/a"
+    worst = "n/a"
+    if errors:
+        digits = 4  # the CPU count is exact: show how exact
+        if cuda:
+            digits = 1
+        worst = f"{max(map(abs, errors)):.{digits}f}%"
     loss = "fused" if overrides["fused_ce"] else "unfused"
     print(f"account: batch {B}, {loss} loss, attention {overrides['attn']}, recompute "
           f"{overrides['recompute'] or 'off'}, {'compiled' if compiled else 'eager'}; worst |error| {worst} over "
@@ -600,6 +611,10 @@ def label(scheme, g):
     return "none" if scheme == "none" else f"{scheme} g={g}"
 
 
+def print_round(r, rounds):  # the timer's progress: stderr, so the tables on stdout stay clean
+    print(f"  round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+
+
 def measure_checkpointing(model, opt, x, y, dtype, device, variants, rounds):
     """{variant: (Timing or None, measured peak bytes or None)}: the one timer over every variant; the peak is the
     allocator's in its warm-up on a GPU (above what was allocated before), live tensors in more steps on a CPU."""
@@ -607,7 +622,7 @@ def measure_checkpointing(model, opt, x, y, dtype, device, variants, rounds):
     start = torch.cuda.memory_allocated(device) if cuda else 0
     steps = {label(*v): partial(step, model, opt, x, y, dtype, forward=checkpointed(model, *v)) for v in variants}
     timings = compare(steps, device, baseline="none", rounds=rounds, steps=1, warmup=2,
-                      progress=lambda r: print(f"  round {r + 1}/{rounds}", flush=True))
+                      progress=partial(print_round, rounds=rounds))
     measured = {}
     for v in variants:
         t = timings[label(*v)]

@@ -37,6 +37,8 @@ import unittest.mock
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no "USDT: ... profiler_start" lines from the profiler's library
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -84,7 +86,11 @@ def call_main(script, *args):  # script.main(args) in this process, in milliseco
         try:
             importlib.import_module(script.removesuffix(".py")).main([str(a) for a in args])
         except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            code = e.code
+            if e.code is None:
+                code = 0
+            elif not isinstance(e.code, int):  # sys.exit("message") prints it and exits 1
+                code = 1
     return code, out.getvalue(), err.getvalue()
 
 def main_ok(script, *args):  # call_main, which must exit 0: (stdout, stderr)
@@ -683,7 +689,8 @@ def test_bench_e2e_ladder_cpu():
     assert sum(type(m) is gpt.Fp8Linear for m in fp8.modules()) == 4 * config.n_layer
 
 def test_bench_e2e_sweep_numbers_profile_cpu_run():
-    times, stats = sweep(cpu := torch.device("cpu"))
+    cpu = torch.device("cpu")
+    times, stats = sweep(cpu)
     assert len(times) == 2 * 3 and all(len(t) == 2 for t in times.values()), times  # batches x modes
     assert all(t.low <= t.median <= t.high and t.low <= t.mean <= t.high and t.peak is None for t in stats.values())
     a, b = (50257, 2, 16, "train"), (50257, 1, 16, "train")
@@ -839,13 +846,15 @@ def test_memory_account_exact_on_cpu():
     from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
     def no_comm(_, bucket):  # the fake group's all-reduce returns no tensor; NCCL's works in place
-        (done := torch.futures.Future()).set_result(bucket.buffer())
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
         return done
     def wrap(model, how, dtype, k):
         if how == "fsdp":  # the one FSDP2 setup, as train.py and ddp.py use it
             return gpt.fully_shard_gpt(model, dtype)
         if how == "ddp":
-            (model := DistributedDataParallel(model)).register_comm_hook(None, no_comm)
+            model = DistributedDataParallel(model)
+            model.register_comm_hook(None, no_comm)
             return model
         return memory.checkpointed(model, how or "none", k)
     bf16, default, seen = torch.bfloat16, gpt.CE_CHUNK_ROWS, set()
@@ -860,7 +869,8 @@ def test_memory_account_exact_on_cpu():
                 (4, 64, None, "fsdp", 0, 0, {}), (4, 64, bf16, "ddp", 0, 0, {"recompute": 2})):
             gpt.CE_CHUNK_ROWS = memory.CE_CHUNK_ROWS = chunk or default
             torch.manual_seed(0)
-            model = gpt.GPT(cfg := gpt.make_config("tiny", **kw))
+            cfg = gpt.make_config("tiny", **kw)
+            model = gpt.GPT(cfg)
             forward, opt = wrap(model, how, dtype, k), gpt.configure_optimizer(model, lr=1e-3)
             x, y = memory.random_batch(cfg, B, T, "cpu")
             memory.step(model, opt, x, y, dtype, forward=forward)  # AdamW's state now exists
@@ -899,7 +909,8 @@ def test_memory_nested_checkpointing_matches_and_lowers_peak():
     """Groups of 2 of 6 blocks, each block checkpointed again inside: the plain model's loss and gradients, and a
     lower peak of live tensors than no checkpointing, as account predicts it."""
     torch.manual_seed(0)
-    model = gpt.GPT(cfg := gpt.make_config("tiny", n_layer=6))
+    cfg = gpt.make_config("tiny", n_layer=6)
+    model = gpt.GPT(cfg)
     opt, (x, y) = gpt.configure_optimizer(model, lr=1e-3), memory.random_batch(cfg, 2, 128, "cpu")
     outs = []
     for scheme in ("none", "nested"):
@@ -963,7 +974,9 @@ def test_memory_parallel_calculator_by_hand():
 
 def test_memory_bad_input():
     with tempfile.TemporaryDirectory() as d:
-        open(theirs := os.path.join(d, "theirs.pickle"), "w").write("not ours")
+        theirs = os.path.join(d, "theirs.pickle")
+        with open(theirs, "w") as f:
+            f.write("not ours")
         check_bad_inputs("memory.py", [
             ("nonsense", "invalid choice"),
             ("account --model huge", "unknown model"),
@@ -1323,6 +1336,7 @@ FOLDING = [  # patterns that make a reader unpick a line; each has a plainer spe
     (r"#\s*noqa", "noqa: fix what the linter says instead of silencing it"),
     (r"' \* args\.|\" \* args\.|\} \* \(", "a string times a bool: an if statement reads better"),
     (r"^\s*\w+ = lambda\b", "a named lambda: a def has a name in tracebacks"),
+    (r"\(\w+ := ", "a walrus inside an expression: an assignment on its own line reads better"),
 ]
 
 
@@ -1394,13 +1408,16 @@ def main(argv=None):
             skipped += not HAS_CUDA
             continue
         start = time.time()
+        output = io.StringIO()  # what the test's code prints (progress lines): shown only if the test fails
         try:
-            test()
+            with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+                test()
             passed += 1
             print(f"PASS {name} ({time.time() - start:.1f}s)", flush=True)
         except Exception:
             failed += 1
-            print(f"FAIL {name} ({time.time() - start:.1f}s)\n{traceback.format_exc()}", flush=True)
+            printed = output.getvalue()[-3000:]
+            print(f"FAIL {name} ({time.time() - start:.1f}s)\n{printed}{traceback.format_exc()}", flush=True)
     for done in as_completed(isolated):
         name, ok, seconds, output = done.result()
         passed, failed = passed + ok, failed + (not ok)
