@@ -487,15 +487,15 @@ def selftest_worker(rank, world, device, steps, variants):
             ok &= world == 1 or max(held) < sum(held)
         if rank == 0:
             dtype = getattr(wrapped, "compute_dtype", None)
-            error, exact, same = against_one_process(initial, final, kind, steps, world, dtype, tol)
+            error, exact, same = against_one_process(initial, final, kind, steps, world, dtype, tol, device)
             tolerance = "bitwise" if exact else f"{tol:.0e}"
             rows.append([name, f"{error:.1e}", tolerance, "ok" if ok and same else "FAIL"])
     return rows
 
-def against_one_process(initial, final, kind, steps, world, dtype, tol):
+def against_one_process(initial, final, kind, steps, world, dtype, tol, device):
     """(largest error, whether bits were asked for, whether every rank matched) against one process trained from
-    the same initial weights on the whole batch."""
-    reference = ToyModel().to(next(iter(initial.values())).device)
+    the same initial weights on the whole batch, on the ranks' device (fp16 on a CPU rounds differently)."""
+    reference = ToyModel().to(device)
     reference.load_state_dict(initial, strict=False)  # (the tied output layer comes with embed)
     train_toy(reference, toy_optimizer(reference, kind.removeprefix("zero-")), steps, dtype=dtype, parts=world)
     ref = toy_state(reference)
