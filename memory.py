@@ -617,9 +617,9 @@ def print_round(r, rounds):  # the timer's progress: stderr, so the tables on st
 
 def measure_checkpointing(model, opt, x, y, dtype, device, variants, rounds):
     """{variant: (Timing or None, measured peak bytes or None)}: the one timer over every variant; the peak is the
-    allocator's in its warm-up on a GPU (above what was allocated before), live tensors in more steps on a CPU."""
+    allocator's in its warm-up on a GPU (max_memory_allocated, reset before each variant: the weights and the batch
+    count, as in the prediction), live tensors in more steps on a CPU."""
     cuda = device.type == "cuda"
-    start = torch.cuda.memory_allocated(device) if cuda else 0
     steps = {label(*v): partial(step, model, opt, x, y, dtype, forward=checkpointed(model, *v)) for v in variants}
     timings = compare(steps, device, baseline="none", rounds=rounds, steps=1, warmup=2,
                       progress=partial(print_round, rounds=rounds))
@@ -628,7 +628,7 @@ def measure_checkpointing(model, opt, x, y, dtype, device, variants, rounds):
         t = timings[label(*v)]
         peak = None
         if t is not None and cuda:
-            peak = t.peak - start
+            peak = t.peak
         elif t is not None:
             peak = max(live_peaks(model, opt, x, y, dtype, checkpointed(model, *v)).values())
         measured[v] = (t, peak)
