@@ -16,12 +16,14 @@ cuda,nvtx). Without CUDA the same command trains `tiny` on a short context.
 """
 
 import argparse
+import contextlib
 import math
 import os
 import shlex
 import signal
 import statistics
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -418,7 +420,7 @@ def print_sample(model, n_tokens, device, dtype, seed, log):
 
 
 # --- 7. command line and the checks made before any work
-def parse_args(argv):
+def parse_args(argv, quiet=False):
     p = argparse.ArgumentParser(description="Train GPT-2 on Tiny Shakespeare.")
     positive = int_in(1)
     p.add_argument("--model", help="preset: tiny, gpt2, small, medium, large, xl, 2.7B (default gpt2; tiny on CPU)")
@@ -456,7 +458,15 @@ def parse_args(argv):
                    "attention's stages) for nsys profile --trace=cuda,nvtx; CUDA only, ignored on the CPU")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if present)")
     p.add_argument("--seed", type=int, default=1337)
-    return p.parse_args(argv)
+    if not quiet:
+        return p.parse_args(argv)
+    try:  # torchrun's other ranks: rank 0 prints the usage error (exit 2), or --help, once
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+            return p.parse_args(argv)
+    except SystemExit as e:
+        if e.code == 2:
+            exit_after_rank_0()
+        raise
 
 @dataclass(frozen=True)
 class Run:
@@ -587,8 +597,19 @@ def check_resume(run, world):
         return state, f"note: {run.ckpt} was trained in {before}; this run continues in {precision_of(run)}"
     return state, None
 
-def init_distributed(fsdp, device_name):
-    """(rank, world, device); torchrun sets RANK, WORLD_SIZE and LOCAL_RANK."""
+def exit_after_rank_0():
+    """A rank other than 0 that met a mistake exits 2 once rank 0, meeting the same, has printed it and exited:
+    torchrun ends the other ranks (SIGTERM) as soon as one exits, and a rank 0 ended before it prints would leave
+    no sentence at all. That SIGTERM ends the wait."""
+    signal.signal(signal.SIGTERM, exit_2)
+    time.sleep(30)  # rank 0 meets the same mistake within moments: this limit is reached only without torchrun
+    raise SystemExit(2)
+
+def exit_2(signum, frame):  # torchrun's SIGTERM after rank 0 exited 2: the same status, no traceback
+    raise SystemExit(2)
+
+def ranks_and_device(fsdp, device_name):
+    """(rank, world, device) from torchrun's RANK, WORLD_SIZE and LOCAL_RANK, before any process group exists."""
     if "RANK" not in os.environ:
         if fsdp:
             raise ValueError("--fsdp shards the model across processes: run it under torchrun --nproc_per_node=2")
@@ -598,22 +619,31 @@ def init_distributed(fsdp, device_name):
         raise ValueError("--fsdp with one process shards nothing: use --nproc_per_node=2 or more")
     device = resolve_device(device_name)
     if device.type != "cuda":
-        dist.init_process_group("gloo")
         return rank, world, device
-    if local >= torch.cuda.device_count():
-        raise ValueError(f"local rank {local} has no GPU: this machine has {torch.cuda.device_count()}")
-    device = torch.device("cuda", local)
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", local + 1))  # the same on every rank: all say it, rank 0 too
+    if per_host > torch.cuda.device_count():
+        raise ValueError(f"--nproc_per_node={per_host} is more processes than the {torch.cuda.device_count()} "
+                         "GPU(s) of this machine: one GPU per process")
+    return rank, world, torch.device("cuda", local)
+
+def start_process_group(device):
+    """gloo between CPU processes, NCCL between GPUs (each rank bound to its own)."""
+    if device.type != "cuda":
+        dist.init_process_group("gloo")
+        return
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
-    return rank, world, device
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    args = parse_args(argv)
-    world, device, quiet = 1, None, os.environ.get("RANK", "0") != "0"  # under torchrun, rank 0 speaks for all
+    quiet = os.environ.get("RANK", "0") != "0"  # under torchrun, rank 0 speaks for all
+    args = parse_args(argv, quiet)
+    world, device = 1, None
     try:
+        # Every check reads only flags, files and torchrun's variables, before any process group exists:
+        # each rank meets the same mistake alone and exits 2, and none is left waiting for another.
         check_flags(args)
-        rank, world, device = init_distributed(args.fsdp, args.device)
+        rank, world, device = ranks_and_device(args.fsdp, args.device)
         run = settings(args, argv, device)
         config = check_model(run, device)
         data = check_data(run, world)
@@ -621,6 +651,8 @@ def main(argv=None):
             check_host_memory(step_bytes(config, run.batch, run.seq, run.bf16),
                               f"model {run.model} at batch {run.batch} x seq {run.seq}")
         state, note = check_resume(run, world)
+        if world > 1:
+            start_process_group(device)
         gpt.NVTX = args.nvtx and device.type == "cuda"  # torch.cuda.nvtx needs a CUDA build
         if rank == 0:
             print(device_line(device, args.nvtx))
@@ -631,7 +663,7 @@ def main(argv=None):
             dist.barrier()  # gloo threads still holding work at interpreter exit abort the process
     except (ValueError, FileNotFoundError) as e:  # every rank meets the same one
         if quiet:
-            raise SystemExit(2) from None
+            exit_after_rank_0()
         fail(str(e))
     except FloatingPointError as e:
         if not quiet:
