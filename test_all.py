@@ -515,6 +515,36 @@ def test_train_bad_input_and_checkpoints():
         losses, out = train_main(*ok, "--resume", "--bf16")  # a change of precision is said
         assert "was trained in fp32; this run continues in bf16" in out and len(losses) == 1, out
 
+def test_train_bad_input_under_torchrun_said_once_before_any_process_group():
+    """Under torchrun a mistake is found before a process group starts, and said once: rank 0 says it and exits 2
+    first, the others exit 2 silently; no traceback from our code (torchrun prints its own, on the failed ranks)."""
+    import train
+    cases = [  # one mistake found by each check in train.main, in its order
+        ("--grad-accum 0", "--grad-accum: must be at least 1, got 0"), ("--fp16 --bf16", "exclusive"),
+        ("--device banana", "cuda:N"), ("--min-lr 1e-3", "between 0 and --lr"),
+        ("--model nope", "unknown model 'nope'"), ("--data missing.txt", "missing.txt is missing"),
+        ("--device cpu --batch 1000 --seq 256", "batch x seq x processes"),  # x 2 processes: too big
+        ("--device cpu --model 2.7B --vocab 16777216 --batch 1 --seq 64", "of this machine's memory"),
+        ("--resume --ckpt input.txt", "torch.load cannot read it")]
+    started = AssertionError("a process group started before every flag and file was checked")
+    sigterm = signal.getsignal(signal.SIGTERM)  # a silent rank sets its own, to end its wait
+    for rank in (0, 1):  # torchrun's two ranks on one machine
+        ranks = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+        with unittest.mock.patch.dict(os.environ, ranks), unittest.mock.patch.object(train, "RANK_0_GRACE_S", 0), \
+                unittest.mock.patch.object(torch.distributed, "init_process_group", side_effect=started):
+            if rank == 0:
+                check_bad_inputs("train.py", cases)
+            else:
+                said = [(args, call_main("train.py", *shlex.split(args))) for args, _ in cases]
+                assert all(result == (2, "", "") for _, result in said), said
+    signal.signal(signal.SIGTERM, sigterm)
+    code, _, out, err = train_proc(["--grad-accum", 0, "--steps", 2], torchrun=True)
+    both, says = out + err, "error: argument --grad-accum: must be at least 1, got 0"
+    traceback_of_ours = re.findall(r'File ".*(?:train|gpt)\.py", line', both)
+    assert code != 0 and both.count(says) == 1 and not traceback_of_ours, (code, both[-3000:])
+    first = both.split("Root Cause")[-1]  # torchrun's report of the first rank to fail
+    assert "rank      : 0 " in first and "exitcode  : 2 " in first, both[-3000:]
+
 @gpu
 def test_train_gpu_recompute_fp8_fused_ce_compile():
     """Recompute lowers the peak, FP8 compiled learns, fused CE = plain, compiled = eager, fp16 learns."""

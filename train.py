@@ -420,7 +420,7 @@ def print_sample(model, n_tokens, device, dtype, seed, log):
 
 
 # --- 7. command line and the checks made before any work
-def parse_args(argv, quiet=False):
+def parse_args(argv):
     p = argparse.ArgumentParser(description="Train GPT-2 on Tiny Shakespeare.")
     positive = int_in(1)
     p.add_argument("--model", help="preset: tiny, gpt2, small, medium, large, xl, 2.7B (default gpt2; tiny on CPU)")
@@ -458,15 +458,7 @@ def parse_args(argv, quiet=False):
                    "attention's stages) for nsys profile --trace=cuda,nvtx; CUDA only, ignored on the CPU")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if present)")
     p.add_argument("--seed", type=int, default=1337)
-    if not quiet:
-        return p.parse_args(argv)
-    try:  # torchrun's other ranks: rank 0 prints the usage error (exit 2), or --help, once
-        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
-            return p.parse_args(argv)
-    except SystemExit as e:
-        if e.code == 2:
-            exit_after_rank_0()
-        raise
+    return p.parse_args(argv)
 
 @dataclass(frozen=True)
 class Run:
@@ -597,12 +589,27 @@ def check_resume(run, world):
         return state, f"note: {run.ckpt} was trained in {before}; this run continues in {precision_of(run)}"
     return state, None
 
+def said_once(quiet, check, *args):
+    """check(*args), a check that ends the process itself (argparse: usage and error, or --help; gpt's memory
+    check): on torchrun's ranks other than 0 (quiet) without a word, rank 0 saying the same once."""
+    if not quiet:
+        return check(*args)
+    try:
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+            return check(*args)
+    except SystemExit as e:
+        if e.code == 2:  # a mistake (--help exits 0)
+            exit_after_rank_0()
+        raise
+
+RANK_0_GRACE_S = 30  # rank 0 meets the same mistake within moments: this limit is reached only without torchrun
+
 def exit_after_rank_0():
     """A rank other than 0 that met a mistake exits 2 once rank 0, meeting the same, has printed it and exited:
     torchrun ends the other ranks (SIGTERM) as soon as one exits, and a rank 0 ended before it prints would leave
     no sentence at all. That SIGTERM ends the wait."""
     signal.signal(signal.SIGTERM, exit_2)
-    time.sleep(30)  # rank 0 meets the same mistake within moments: this limit is reached only without torchrun
+    time.sleep(RANK_0_GRACE_S)
     raise SystemExit(2)
 
 def exit_2(signum, frame):  # torchrun's SIGTERM after rank 0 exited 2: the same status, no traceback
@@ -637,7 +644,7 @@ def start_process_group(device):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     quiet = os.environ.get("RANK", "0") != "0"  # under torchrun, rank 0 speaks for all
-    args = parse_args(argv, quiet)
+    args = said_once(quiet, parse_args, argv)
     world, device = 1, None
     try:
         # Every check reads only flags, files and torchrun's variables, before any process group exists:
@@ -648,8 +655,8 @@ def main(argv=None):
         config = check_model(run, device)
         data = check_data(run, world)
         if device.type == "cpu":  # refused here, not ended by the OOM killer without a word
-            check_host_memory(step_bytes(config, run.batch, run.seq, run.bf16),
-                              f"model {run.model} at batch {run.batch} x seq {run.seq}")
+            said_once(quiet, check_host_memory, step_bytes(config, run.batch, run.seq, run.bf16),
+                      f"model {run.model} at batch {run.batch} x seq {run.seq}")
         state, note = check_resume(run, world)
         if world > 1:
             start_process_group(device)
