@@ -17,6 +17,7 @@ cuda,nvtx). Without CUDA the same command trains `tiny` on a short context.
 
 import argparse
 import contextlib
+import io
 import math
 import os
 import shlex
@@ -594,22 +595,25 @@ def said_once(quiet, check, *args):
     check): on torchrun's ranks other than 0 (quiet) without a word, rank 0 saying the same once."""
     if not quiet:
         return check(*args)
+    said = io.StringIO()  # kept, in case rank 0 does not meet the same mistake
     try:
-        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
             return check(*args)
     except SystemExit as e:
         if e.code == 2:  # a mistake (--help exits 0)
-            exit_after_rank_0()
+            exit_after_rank_0(said.getvalue())
         raise
 
 RANK_0_GRACE_S = 30  # rank 0 meets the same mistake within moments: this limit is reached only without torchrun
 
-def exit_after_rank_0():
+def exit_after_rank_0(message):
     """A rank other than 0 that met a mistake exits 2 once rank 0, meeting the same, has printed it and exited:
     torchrun ends the other ranks (SIGTERM) as soon as one exits, and a rank 0 ended before it prints would leave
-    no sentence at all. That SIGTERM ends the wait."""
+    no sentence at all. That SIGTERM ends the wait. If it never comes, rank 0 did not meet this mistake (a host
+    memory check passed there by a hair, a file missing on this node only): this rank says it itself."""
     signal.signal(signal.SIGTERM, exit_2)
     time.sleep(RANK_0_GRACE_S)
+    print(f"rank {os.environ.get('RANK', '?')}: {message.strip()}", file=sys.stderr)
     raise SystemExit(2)
 
 def exit_2(signum, frame):  # torchrun's SIGTERM after rank 0 exited 2: the same status, no traceback
@@ -670,7 +674,7 @@ def main(argv=None):
             dist.barrier()  # gloo threads still holding work at interpreter exit abort the process
     except (ValueError, FileNotFoundError) as e:  # every rank meets the same one
         if quiet:
-            exit_after_rank_0()
+            exit_after_rank_0(f"error: {e}")
         fail(str(e))
     except FloatingPointError as e:
         if not quiet:
