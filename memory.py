@@ -722,6 +722,8 @@ def ring_vs_tree(n, alpha, beta):  # the crossover in words: at 2 devices both t
     if n == 2:
         return ("on 2 devices ring and tree take the same 2 latency steps and the ring sends half the tree's bytes: "
                 "the ring never loses")
+    if alpha == 0:  # only the bandwidth terms are left, and 2(n-1)/n < 2 log2(n) from n = 2 on
+        return f"on {n} devices with no latency the ring all-reduce never loses: it sends fewer bytes than the tree"
     return f"on {n} devices the ring all-reduce beats the tree above {crossover_bytes(n, alpha, beta) / GB:.4g} GB"
 
 
@@ -745,7 +747,7 @@ def print_collectives(n, alpha, beta):
     print(f"  ring = 2(n-1) a + 2(n-1)/n S/b = {2 * (n - 1)} x {a_us:g} us + {2 * (n - 1) / n:.4f} x S / "
           f"{b_gbs:g} GB/s")
     print(f"  tree = 2 log2(n) (a + S/b) = {2 * math.log2(n):.4f} x ({a_us:g} us + S / {b_gbs:g} GB/s)")
-    if n <= 2:
+    if n <= 2 or alpha == 0:
         print(f"  no crossover: {ring_vs_tree(n, alpha, beta)}")
         return
     star = crossover_bytes(n, alpha, beta)

@@ -970,6 +970,8 @@ def test_memory_parallel_calculator_by_hand():
     assert out.count("\n  ring = ") == 1 and "FSDP x TP" in out and "TP sends" in out, out
     code, out, _ = call_main("memory.py", "parallel", "--devices", 2)  # the default TP degree drops to 2
     assert code == 0 and out.splitlines()[-1].endswith("the ring never loses") and "above 0 GB" not in out, out
+    assert "nothing to all-reduce" in memory.ring_vs_tree(1, a, b) and "above" in memory.ring_vs_tree(3, a, b)
+    assert "never loses" in memory.ring_vs_tree(64, 0, b)  # no latency: only bytes count, and the ring sends fewer
     cfg = gpt.make_config("gpt2")
     budgets = [memory.account(cfg, B, 1024, torch.bfloat16)["peak"] - d for B, d in ((37, 1), (12, 0))]
     assert [memory.predict_max_batch(cfg, 1024, torch.bfloat16, budget) for budget in budgets] == [36, 12]
