@@ -1061,6 +1061,24 @@ def checks(args, cuda, cfg, devices, tp):
              f"--tp {tp} does not divide d_ff {course_d_ff(args.d_model, args.d_ff)}")]
 
 
+def parallel_values(devices, tp, bandwidth_gbs, latency_us, device_gb):
+    """parallel's flags as given, else PARALLEL_DEFAULTS; the default TP degree divides the devices (2 -> TP over 2)."""
+    given = dict(devices=devices, tp=tp, bandwidth_gbs=bandwidth_gbs, latency_us=latency_us, device_gb=device_gb)
+    values = {k: default if given[k] is None else given[k] for k, default in PARALLEL_DEFAULTS.items()}
+    if tp is None:
+        values["tp"] = math.gcd(values["devices"], PARALLEL_DEFAULTS["tp"])
+    return values
+
+
+def announce_cpu(part, model, B, T):  # measured here: account and checkpoint 7-9 s of wall time, 2 shared cores
+    sizes = f"model {model}, batch {B}, seq {T}"
+    if (model, B, T) == DEFAULTS[part][0]:
+        print(f"no CUDA: {part} counts live tensors on the CPU at its CPU default, {sizes}: about 10 s on 2 cores")
+    else:
+        print(f"no CUDA: {part} counts live tensors on the CPU for {sizes}; the time grows with each (every op is "
+              f"counted; the CPU default, tiny, 2, 64, takes about 10 s on 2 cores)")
+
+
 def main(argv=None):
     args = parse(argv)
     try:
@@ -1073,10 +1091,7 @@ def main(argv=None):
     except ValueError as e:
         fail(str(e))
     cuda, dtype = device.type == "cuda", amp_dtype(args.bf16)
-    given = {k: getattr(args, k) for k in PARALLEL_DEFAULTS}
-    par = {k: default if given[k] is None else given[k] for k, default in PARALLEL_DEFAULTS.items()}
-    if given["tp"] is None:  # the default degree divides the devices: --devices 2 runs TP over 2
-        par["tp"] = math.gcd(par["devices"], PARALLEL_DEFAULTS["tp"])
+    par = parallel_values(args.devices, args.tp, args.bandwidth_gbs, args.latency_us, args.device_gb)
     for ok, message in checks(args, cuda, cfg, par["devices"], par["tp"]):
         if not ok:
             fail(message)
@@ -1099,14 +1114,7 @@ def main(argv=None):
         print(f"--seq {T} is longer than {model}'s {preset}-token context: its learned position table (wpe) is "
               f"extended to {T} rows, randomly initialised like every weight here (memory and time are measured)")
     if not cuda and not (args.fsdp or args.ddp):  # (snapshot refused the CPU above)
-        # measured: account 7 s, checkpoint 7 s of wall time at the defaults on a shared 2-core machine
-        sizes = f"model {model}, batch {B}, seq {T}"
-        if (model, B, T) == DEFAULTS[args.part][0]:
-            print(f"no CUDA: {args.part} counts live tensors on the CPU at its CPU default, {sizes}: about 10 s on "
-                  f"2 cores")
-        else:
-            print(f"no CUDA: {args.part} counts live tensors on the CPU for {sizes}; the time grows with each (every "
-                  f"op is counted; the CPU default, tiny, 2, 64, takes about 10 s on 2 cores)")
+        announce_cpu(args.part, model, B, T)
     if args.part == "account" and (args.fsdp or args.ddp):
         predict_rank(cfg, B, T, dtype, args.world or 2, args.fsdp, args.compile)
     elif args.part == "account":
