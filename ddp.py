@@ -950,11 +950,13 @@ def memory_vs_torch(result, base):
         return f" ({result['peak'] / base['peak']:.2f}x)"
     return ""
 
-def benchmark_row(label, result, base):
+def benchmark_row(label, result, base, gpu):
     if result["oom"]:
         return [label] + ["OOM"] * 8
     timing = Timing(**result["timing"])
     exposed = "-" if result["exposed"] is None or label == LABELS["local"] else f"{result['exposed']:.1f}"
+    if not gpu and exposed != "-":  # a smoke run's difference of two medians is noise, negative as often as not
+        exposed = "n/a"
     peak = "n/a" if result["peak"] is None else gib(result["peak"]) + memory_vs_torch(result, base)
     return [label, timing.ms(1), timing.vs(), exposed, *(f"{ms:.1f}" for ms in result["phases"]), peak]
 
@@ -969,12 +971,18 @@ def plot_phases(path, done, title):
     fig.savefig(path, bbox_inches="tight")
     print(f"plot saved to {path}")
 
-def print_benchmark(rows, setup, world, plot):
+def print_benchmark(rows, setup, world, plot, gpu):
     base = rows.get(LABELS["torch"], {})
     print_table(["variant", "step ms", "vs torch DDP (paired)", "exposed comm ms", "fwd ms", "bwd ms", "wait ms",
-                 "optim ms", "peak GiB (vs torch DDP)"], [benchmark_row(label, r, base) for label, r in rows.items()])
+                 "optim ms", "peak GiB (vs torch DDP)"],
+                [benchmark_row(label, r, base, gpu) for label, r in rows.items()])
+    exposed = "median of (step - no-comm step)"
+    if not gpu:
+        exposed = ("n/a on the CPU: the difference of two medians of a smoke run is within its noise (CPU runs gave "
+                   "values below zero), so it says nothing about communication; a GPU run gives the median of "
+                   "(step - no-comm step)")
     print(f"step: median (min-max) over {setup.rounds} rounds of {setup.steps} steps, the slowest rank's; ratios "
-          "paired in rounds. exposed comm: median of (step - no-comm step). fwd/bwd/wait/optim: medians, mean over "
+          f"paired in rounds. exposed comm: {exposed}. fwd/bwd/wait/optim: medians, mean over "
           "ranks (torch DDP and FSDP2 wait inside bwd). peak: allocated, the variant's own, largest rank")
     done = {label: r for label, r in rows.items() if not r["oom"]}
     if plot:
@@ -1024,8 +1032,15 @@ def run_benchmark(setup, config, variants, world, backend, plot, timeout):
     print(f"data-parallel GPT {setup.model} ({weights / 4e6:.0f}M parameters) on {where}, torch {torch.__version__}: "
           f"B={setup.batch} per rank, T={setup.seq}, AdamW; {setup.rounds} rounds of {setup.steps} steps per variant "
           f"after {setup.warmup} warm-up")
+    plan = f"{len(rows)} variants"
+    if len(groups) > 1:  # the no-comm and torch DDP rows are timed again in every group: every ratio is paired
+        plan += (f" in {len(groups)} groups that fit on a GPU together, each also timing the no-comm and torch DDP "
+                 f"models ({sum(len(group) for group in groups)} timed in all)")
+    rounds = f"{setup.rounds} round{'s' if setup.rounds > 1 else ''}"
+    print(f"benchmark: {plan} x {rounds}; --variants narrows it (e.g. --variants local,torch,bucket), "
+          f"--rounds shortens it", flush=True)
     results = launch(partial(benchmark_worker, setup=setup, groups=groups), world, backend, timeout)
-    print_benchmark(results, setup, world, plot)
+    print_benchmark(results, setup, world, plot, gpu)
 
 # takeaway: interleaved rounds beside a no-comm row show what communication costs a step, phase by phase.
 

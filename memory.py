@@ -654,6 +654,11 @@ def part_checkpoint(device, cfg, B, T, dtype, rounds, sizes):
           f"for flat g={best['flat']} ({mib(most_saved(pred['flat', best['flat']]))} MiB), nested g={best['nested']} "
           f"({mib(most_saved(pred['nested', best['nested']]))} MiB); sqrt(L) = {math.sqrt(L):.1f}; measuring g in "
           f"{sizes}")
+    shorter = f"fewer sizes (--groups {best['nested']})"
+    if rounds > 1:
+        shorter += f" or fewer rounds (--rounds {rounds // 2})"
+    print(f"checkpoint: timing {len(variants)} variants x {rounds} rounds of one step each (after 2 warm-up steps "
+          f"each); for a shorter run give {shorter}")
     if cuda:
         warm_up_libraries(device, dtype)
     try:
@@ -711,6 +716,17 @@ def crossover_bytes(n, alpha, beta):
     return alpha * beta * (n - 1 - math.log2(n)) / (math.log2(n) - (n - 1) / n)
 
 
+def ring_vs_tree(n, alpha, beta):  # the crossover in words: at 2 devices both take 2 latency steps (log2 2 = 2-1)
+    if n == 1:
+        return "on 1 device there is nothing to all-reduce"
+    if n == 2:
+        return ("on 2 devices ring and tree take the same 2 latency steps and the ring sends half the tree's bytes: "
+                "the ring never loses")
+    if alpha == 0:  # only the bandwidth terms are left, and 2(n-1)/n < 2 log2(n) from n = 2 on
+        return f"on {n} devices with no latency the ring all-reduce never loses: it sends fewer bytes than the tree"
+    return f"on {n} devices the ring all-reduce beats the tree above {crossover_bytes(n, alpha, beta) / GB:.4g} GB"
+
+
 def gather_s(n, nbytes, alpha, beta):
     """A ring all-gather (or reduce-scatter) of S bytes in all: n-1 steps of S/n bytes: (n-1) a + (n-1)/n S/b."""
     return (n - 1) * alpha + (n - 1) / n * nbytes / beta
@@ -720,12 +736,20 @@ def print_collectives(n, alpha, beta):
     rows = []
     for size in MESSAGE_SIZES:
         ring, tree = ring_all_reduce_s(n, size, alpha, beta), tree_all_reduce_s(n, size, alpha, beta)
-        rows.append([f"{size / GB:g}", f"{ring * 1e6:,.1f}", f"{tree * 1e6:,.1f}", "ring" if ring < tree else "tree"])
+        faster = "tree"
+        if ring < tree:
+            faster = "ring"
+        elif ring == tree:  # one device: neither sends anything
+            faster = "equal"
+        rows.append([f"{size / GB:g}", f"{ring * 1e6:,.1f}", f"{tree * 1e6:,.1f}", faster])
     print_table([f"all-reduce over {n} devices, GB", "ring us", "tree us", "faster"], rows)
     a_us, b_gbs = alpha * 1e6, beta / GB
     print(f"  ring = 2(n-1) a + 2(n-1)/n S/b = {2 * (n - 1)} x {a_us:g} us + {2 * (n - 1) / n:.4f} x S / "
           f"{b_gbs:g} GB/s")
     print(f"  tree = 2 log2(n) (a + S/b) = {2 * math.log2(n):.4f} x ({a_us:g} us + S / {b_gbs:g} GB/s)")
+    if n <= 2 or alpha == 0:
+        print(f"  no crossover: {ring_vs_tree(n, alpha, beta)}")
+        return
     star = crossover_bytes(n, alpha, beta)
     print(f"  crossover S* = a b (n-1-log2 n) / (log2 n - (n-1)/n) = {star / GB:.6g} GB: the ring is faster above it")
 
@@ -833,9 +857,12 @@ def part_parallel(shape, N, t, B, T, width, alpha, beta, device_gb):
     print_table(["layout", "DP x TP", "weights GB", "gradients GB", "optimizer GB", "activations GB", "total GB",
                  f"fits {device_gb:g} GB", "sent GB/step", "comm ms/step"], rows)
     print("\n".join(notes))
-    print(f"parallel: N_FSDP = {math.ceil(state / (device_gb * GB))} devices of {device_gb:g} GB hold the "
-          f"{state / GB:,.0f} GB of state fully sharded (activations aside); on {N} devices the ring all-reduce "
-          f"beats the tree above {crossover_bytes(N, alpha, beta) / GB:.4g} GB")
+    n_fsdp = math.ceil(state / (device_gb * GB))  # at least 1: --device-gb is finite and at most 1e5
+    devices_hold = f"{n_fsdp} devices of {device_gb:g} GB hold"
+    if n_fsdp == 1:
+        devices_hold = f"1 device of {device_gb:g} GB holds"
+    print(f"parallel: N_FSDP = {devices_hold} the "
+          f"{state / GB:,.0f} GB of state fully sharded (activations aside); {ring_vs_tree(N, alpha, beta)}")
 
 # takeaway: sharding divides bytes by the degree; the price is communication, latency-bound for small messages.
 
@@ -955,27 +982,29 @@ def parse(argv):
     p.add_argument("--batch", type=int_in(1), help="sequences (parallel: the global batch)")
     p.add_argument("--seq", type=int_in(1, MAX_SEQ), help="tokens (beyond a preset's block size wpe grows)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast, fp32 weights; parallel: 2-byte activations")
-    p.add_argument("--attn", default="sdpa")
-    p.add_argument("--vocab", type=int_in(GPT2_VOCAB), default=GPT2_VOCAB)
+    p.add_argument("--attn", help="attention implementation (default sdpa)")
+    p.add_argument("--vocab", type=int_in(GPT2_VOCAB), help=f"vocabulary (default {GPT2_VOCAB})")
     p.add_argument("--unfused", action="store_true", help="plain lm_head + F.cross_entropy instead of the fused loss")
-    p.add_argument("--recompute", type=int_in(0), default=0, metavar="K", help="checkpoint every K-th block (gpt.py)")
+    p.add_argument("--recompute", type=int_in(0), metavar="K", help="checkpoint every K-th block (gpt.py)")
     p.add_argument("--fsdp", action="store_true", help="account: predict a rank of torchrun train.py --fsdp")
     p.add_argument("--ddp", action="store_true", help="account: predict a rank of torchrun train.py (DDP)")
     p.add_argument("--compile", action="store_true", help="account: torch.compile's saved tensors (and measure so)")
     p.add_argument("--world", type=int_in(2), help="account --fsdp/--ddp: ranks (default 2)")
-    p.add_argument("--device")
+    p.add_argument("--device", help="account, checkpoint, snapshot: cpu, cuda, cuda:1 (default cuda if present)")
     p.add_argument("--sweep", action="store_true", help="account: gpt2..xl x T=128..1024, fp32 and bf16 (CUDA)")
     p.add_argument("--rounds", type=int_in(1), help="checkpoint: interleaved timing rounds (default 5; 2 on a CPU)")
     p.add_argument("--groups", type=int_list(1), help="checkpoint: group sizes, e.g. 4,7 (default: near the best)")
-    p.add_argument("--phase", choices=("forward", "step", "both"), default="both",
-                   help="snapshot: an inference forward (no grad), a training step, or both")
-    p.add_argument("--top", type=int_in(1), default=5, help="snapshot: largest allocations listed per phase")
-    p.add_argument("--out", default="memory_snapshot.pickle", help="snapshot: the .pickle to write")
-    p.add_argument("--devices", type=int_in(1), default=64, help="parallel: devices in all")
-    p.add_argument("--tp", type=int_in(1), default=4, help="parallel: tensor-parallel degree of the TP layouts")
-    p.add_argument("--bandwidth-gbs", type=float_in(1e-3), default=180.0, help="parallel: link bandwidth, GB/s")
-    p.add_argument("--latency-us", type=float_in(0), default=5.0, help="parallel: latency per collective step, us")
-    p.add_argument("--device-gb", type=float_in(1e-3), default=95.0, help="parallel: memory per device, GB")
+    p.add_argument("--phase", choices=("forward", "step", "both"),
+                   help="snapshot: an inference forward (no grad), a training step, or both (default)")
+    p.add_argument("--top", type=int_in(1), help="snapshot: largest allocations listed per phase (default 5)")
+    p.add_argument("--out", help="snapshot: the .pickle to write (default memory_snapshot.pickle)")
+    p.add_argument("--devices", type=int_in(1), help="parallel: devices in all (default 64)")
+    p.add_argument("--tp", type=int_in(1),
+                   help="parallel: tensor-parallel degree of the TP layouts (default 4, or 2 or 1 to divide --devices)")
+    # upper bounds: beyond them a figure is a typo, and the calculator's answers would be nonsense (0 devices)
+    p.add_argument("--bandwidth-gbs", type=float_in(1e-3, 1e5), help="parallel: link bandwidth, GB/s (default 180)")
+    p.add_argument("--latency-us", type=float_in(0, 1e6), help="parallel: latency per collective step, us (default 5)")
+    p.add_argument("--device-gb", type=float_in(1e-3, 1e5), help="parallel: memory per device, GB (default 95)")
     p.add_argument("--params", type=int_in(1), help="parallel: parameter count of the course's model")
     p.add_argument("--d-model", type=int_in(1), help="parallel: the course's model's width (default 16384)")
     p.add_argument("--d-ff", type=int_in(1), help="parallel: its hidden width (default 4 d_model; 53248)")
@@ -983,30 +1012,71 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def checks(args, cuda, cfg):
+# flags only some parts read: {flag: (the parts, in words)}; given to another part it would be ignored in silence
+PARALLEL_FLAGS = ("devices", "tp", "bandwidth_gbs", "latency_us", "device_gb", "params", "d_model", "d_ff", "layers")
+READ_BY = {"unfused": (("account", "snapshot"), "account and snapshot"),
+           "recompute": (("account", "snapshot"), "account and snapshot"),
+           **dict.fromkeys(("fsdp", "ddp", "compile", "sweep"), (("account",), "account")),
+           "world": (("account",), "account --fsdp or --ddp (parallel counts its ranks with --devices)"),
+           **dict.fromkeys(("rounds", "groups"), (("checkpoint",), "checkpoint")),
+           **dict.fromkeys(("phase", "top", "out"), (("snapshot",), "snapshot")),
+           "device": (("account", "checkpoint", "snapshot"),
+                      "account, checkpoint and snapshot (parallel is pure arithmetic)"),
+           **dict.fromkeys(PARALLEL_FLAGS, (("parallel",), "parallel"))}
+# parallel's defaults: the course's cluster (None in argparse, so that another part can tell they were given)
+PARALLEL_DEFAULTS = {"devices": 64, "tp": 4, "bandwidth_gbs": 180.0, "latency_us": 5.0, "device_gb": 95.0}
+
+
+def unread_flag(args):
+    """The sentence refusing the first flag given that args.part would not read; None when every flag is read."""
+    for dest, (parts, readers) in READ_BY.items():
+        if getattr(args, dest) not in (None, False) and args.part not in parts:
+            return f"--{dest.replace('_', '-')} is read by {readers}, not by {args.part}: leave it out"
+    if args.world is not None and not (args.fsdp or args.ddp):
+        return "--world is the rank count of account --fsdp or --ddp: add one of them, or leave --world out"
+    if args.part == "parallel" and not args.model and (args.attn or args.vocab):
+        return "--attn and --vocab describe a --model preset; parallel's default model has no attention or vocabulary"
+    return None
+
+
+def checks(args, cuda, cfg, devices, tp):
     """Rules across flags: (ok, the sentence when not)."""
     rank, course = args.fsdp or args.ddp, args.d_model or args.d_ff or args.layers or args.params
-    return [(cuda or args.attn not in GPU_ONLY_ATTENTION, f"--attn {args.attn} needs a CUDA GPU"),
-            (not args.sweep or (args.part == "account" and cuda and not (rank or args.compile)),
-             "--sweep is for account on a CUDA GPU (measured peaks), one process, eager"),
-            (not (rank or args.compile) or args.part == "account", "--fsdp, --ddp and --compile apply to account"),
+    unread = unread_flag(args)
+    return [(unread is None, unread),
+            (cuda or cfg.attn not in GPU_ONLY_ATTENTION, f"--attn {cfg.attn} needs a CUDA GPU"),
+            (not args.sweep or (cuda and not (rank or args.compile)),
+             "--sweep measures peaks on a CUDA GPU, one process, eager"),
             (not (args.fsdp and args.ddp), "--fsdp and --ddp exclude each other"),
             (not (args.compile and args.unfused), "--compile models the fused loss (compile rewrites the plain one)"),
             (cuda or rank or not args.compile, "--compile is measured on a CUDA GPU (predicted with --fsdp/--ddp)"),
-            (args.part != "checkpoint" or not (args.recompute or args.unfused),
-             "checkpoint compares its own group sizes with the fused loss; leave out --recompute and --unfused"),
-            (not args.groups or args.part == "checkpoint", "--groups applies to checkpoint"),
             (not args.groups or max(args.groups) <= cfg.n_layer,
              f"--groups {max(args.groups or [0])} is larger than the model's {cfg.n_layer} layers"),
-            (args.part != "snapshot" or args.out.endswith(".pickle"), f"--out {args.out} must name a .pickle file"),
+            (args.out is None or args.out.endswith(".pickle"), f"--out {args.out} must name a .pickle file"),
             (not (course and args.model), "give --model or the course's --d-model/--d-ff/--layers/--params, not both"),
-            (args.world is None or args.part == "account", "--world applies to account (parallel takes --devices)"),
-            (args.part != "parallel" or args.devices % args.tp == 0,
-             f"--devices {args.devices} is not divisible by --tp {args.tp}"),
-            (args.part != "parallel" or not args.model or cfg.n_head % args.tp == 0,
-             f"--tp {args.tp} does not divide {args.model}'s {cfg.n_head} attention heads"),
-            (args.part != "parallel" or args.model or course_d_ff(args.d_model, args.d_ff) % args.tp == 0,
-             f"--tp {args.tp} does not divide d_ff {course_d_ff(args.d_model, args.d_ff)}")]
+            (args.part != "parallel" or devices % tp == 0, f"--devices {devices} is not divisible by --tp {tp}"),
+            (args.part != "parallel" or not args.model or cfg.n_head % tp == 0,
+             f"--tp {tp} does not divide {args.model}'s {cfg.n_head} attention heads"),
+            (args.part != "parallel" or args.model or course_d_ff(args.d_model, args.d_ff) % tp == 0,
+             f"--tp {tp} does not divide d_ff {course_d_ff(args.d_model, args.d_ff)}")]
+
+
+def parallel_values(devices, tp, bandwidth_gbs, latency_us, device_gb):
+    """parallel's flags as given, else PARALLEL_DEFAULTS; the default TP degree divides the devices (2 -> TP over 2)."""
+    given = dict(devices=devices, tp=tp, bandwidth_gbs=bandwidth_gbs, latency_us=latency_us, device_gb=device_gb)
+    values = {k: default if given[k] is None else given[k] for k, default in PARALLEL_DEFAULTS.items()}
+    if tp is None:
+        values["tp"] = math.gcd(values["devices"], PARALLEL_DEFAULTS["tp"])
+    return values
+
+
+def announce_cpu(part, model, B, T):  # measured here: account and checkpoint 7-9 s of wall time, 2 shared cores
+    sizes = f"model {model}, batch {B}, seq {T}"
+    if (model, B, T) == DEFAULTS[part][0]:
+        print(f"no CUDA: {part} counts live tensors on the CPU at its CPU default, {sizes}: about 10 s on 2 cores")
+    else:
+        print(f"no CUDA: {part} counts live tensors on the CPU for {sizes}; the time grows with each (every op is "
+              f"counted; the CPU default, tiny, 2, 64, takes about 10 s on 2 cores)")
 
 
 def main(argv=None):
@@ -1015,23 +1085,26 @@ def main(argv=None):
         device = resolve_device(args.device)
         model, batch, seq = on_device(device, *DEFAULTS[args.part])
         model, B, T = args.model or model, args.batch or batch, args.seq or seq
-        overrides = dict(attn=args.attn, vocab_size=args.vocab, fused_ce=not args.unfused, recompute=args.recompute)
+        overrides = dict(attn=args.attn or "sdpa", vocab_size=args.vocab or GPT2_VOCAB, fused_ce=not args.unfused,
+                         recompute=args.recompute or 0)
         cfg = config_of(model or "gpt2", T, **overrides)
     except ValueError as e:
         fail(str(e))
     cuda, dtype = device.type == "cuda", amp_dtype(args.bf16)
-    for ok, message in checks(args, cuda, cfg):
+    par = parallel_values(args.devices, args.tp, args.bandwidth_gbs, args.latency_us, args.device_gb)
+    for ok, message in checks(args, cuda, cfg, par["devices"], par["tp"]):
         if not ok:
             fail(message)
     if args.part == "parallel":  # pure arithmetic
         shape = parallel_shape(args.model, T, overrides, args.d_model, args.d_ff, args.layers, args.params,
                                2 if args.bf16 else 4)
-        part_parallel(shape, args.devices, args.tp, B, T, 2 if args.bf16 else 4, args.latency_us * 1e-6,
-                      args.bandwidth_gbs * GB, args.device_gb)
+        part_parallel(shape, par["devices"], par["tp"], B, T, 2 if args.bf16 else 4, par["latency_us"] * 1e-6,
+                      par["bandwidth_gbs"] * GB, par["device_gb"])
         return
+    out = args.out or "memory_snapshot.pickle"
     if args.part == "snapshot":
         try:
-            check_output_path(args.out, "--out", ours=lambda path: open(path, "rb").read(1) == b"\x80")
+            check_output_path(out, "--out", ours=lambda path: open(path, "rb").read(1) == b"\x80")
         except ValueError as e:
             fail(str(e))
         if not cuda:
@@ -1041,8 +1114,7 @@ def main(argv=None):
         print(f"--seq {T} is longer than {model}'s {preset}-token context: its learned position table (wpe) is "
               f"extended to {T} rows, randomly initialised like every weight here (memory and time are measured)")
     if not cuda and not (args.fsdp or args.ddp):  # (snapshot refused the CPU above)
-        print(f"no CUDA: {args.part} counts live tensors on the CPU at seconds-long sizes "
-              f"(model {model}, batch {B}, seq {T})")
+        announce_cpu(args.part, model, B, T)
     if args.part == "account" and (args.fsdp or args.ddp):
         predict_rank(cfg, B, T, dtype, args.world or 2, args.fsdp, args.compile)
     elif args.part == "account":
@@ -1055,7 +1127,7 @@ def main(argv=None):
         rounds, groups = args.rounds or on_device(device, cpu=2, gpu=5), args.groups or on_device(device, [1, 2], None)
         part_checkpoint(device, cfg, B, T, dtype, rounds, groups)
     else:
-        part_snapshot(device, cfg, B, T, dtype, args.phase, args.out, args.top)
+        part_snapshot(device, cfg, B, T, dtype, args.phase or "both", out, args.top or 5)
 
 
 if __name__ == "__main__":

@@ -1001,6 +1001,10 @@ def test_memory_parallel_calculator_by_hand():
     n = 126 * 2 * 16384 * 53248
     assert code == 0 and "219,848,638,464 parameters" in out and f"N_FSDP = {-(-n * 16 // (95 * 10**9))} " in out
     assert out.count("\n  ring = ") == 1 and "FSDP x TP" in out and "TP sends" in out, out
+    code, out, _ = call_main("memory.py", "parallel", "--devices", 2)  # the default TP degree drops to 2
+    assert code == 0 and out.splitlines()[-1].endswith("the ring never loses") and "above 0 GB" not in out, out
+    assert "nothing to all-reduce" in memory.ring_vs_tree(1, a, b) and "above" in memory.ring_vs_tree(3, a, b)
+    assert "never loses" in memory.ring_vs_tree(64, 0, b)  # no latency: only bytes count, and the ring sends fewer
     cfg = gpt.make_config("gpt2")
     budgets = [memory.account(cfg, B, 1024, torch.bfloat16)["peak"] - d for B, d in ((37, 1), (12, 0))]
     assert [memory.predict_max_batch(cfg, 1024, torch.bfloat16, budget) for budget in budgets] == [36, 12]
@@ -1027,9 +1031,23 @@ def test_memory_bad_input():
             ("checkpoint --rounds 0", "--rounds"),
             ("checkpoint --groups 0", "--groups"),
             ("checkpoint --device cpu --groups 2,5", "larger than"),
-            ("account --groups 2", "applies to checkpoint"),
-            ("parallel --fsdp", "apply to account"),
+            ("account --groups 2", "is read by checkpoint, not by account"),
+            ("parallel --fsdp", "is read by account, not by parallel"),
             ("parallel --world 4", "--devices"),
+            ("account --world 3", "rank count of account --fsdp or --ddp"),
+            ("checkpoint --unfused", "not by checkpoint"),
+            ("account --rounds 3", "is read by checkpoint"),
+            ("account --top 3", "is read by snapshot"),
+            ("account --out s.pickle", "is read by snapshot"),
+            ("checkpoint --devices 8", "is read by parallel"),
+            ("snapshot --device-gb 80", "is read by parallel"),
+            ("parallel --device cpu", "parallel is pure arithmetic"),
+            ("parallel --recompute 2", "not by parallel"),
+            ("parallel --attn naive", "describe a --model preset"),
+            ("parallel --device-gb inf", "expected a finite number"),
+            ("parallel --device-gb 1e9", "--device-gb: must be at most"),
+            ("parallel --latency-us nan", "expected a finite number"),
+            ("parallel --bandwidth-gbs 1e12", "--bandwidth-gbs: must be at most"),
             ("account --sweep --fsdp", "--sweep"),
             ("parallel --device-gb 0", "device-gb"),
             ("parallel --tp 0", "--tp"),
@@ -1143,9 +1161,12 @@ def test_ddp_benchmark_cpu_smoke():
         out, err = main_ok("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--rounds", 1, "--steps", 1,
                            "--warmup", 1, "--variants", "local,torch,zero2,fsdp:bf16,fsdp2", *plot)
         assert not plot or os.path.getsize(plot[1]) > 0, out + err
+    assert "benchmark: 5 variants x 1 round; --variants narrows it" in out, out
     for label in ("local (no comm)", "torch DDP", "ZeRO-2", "FSDP bf16 compute", "torch FSDP2"):
         row = next((line for line in out.splitlines() if line.startswith(label + "  ")), label)
         assert len(row.split()) >= 10 and float(row[len(label):].split()[0]) > 0 and "x (" in row, out
+        assert row[len(label):].split(")")[2].split()[0] == ("-" if label.startswith("local") else "n/a"), row
+    assert "exposed comm: n/a on the CPU" in out, out
     assert out.splitlines()[-1].startswith("summary: step (memory) vs torch DDP's: local (no comm)"), out
 
 def test_ddp_rank_killed_is_one_line():
