@@ -871,70 +871,108 @@ def test_bench_e2e_gpu_ladder_peaks_oom():
 # --- 6. memory.py: the model against live tensors (one process, DDP, FSDP, nested checkpoints); snapshot summary;
 # the parallel calculator by hand; bad input
 
+BF16 = torch.bfloat16
+ACCOUNT_CASES = [  # (B, T, dtype, wrapper, group size, loss chunk rows (0: the default), config overrides)
+    (1, 32, None, "", 0, 0, {}),
+    (6, 64, BF16, "", 0, 160, {}),
+    (1, 32, BF16, "", 0, 0, {}),
+    (2, 64, None, "", 0, 0, {"fused_ce": False}),
+    (2, 32, BF16, "", 0, 0, {"fused_ce": 0, "attn": "naive"}),
+    (8, 64, BF16, "", 0, 0, {"recompute": 1}),
+    (4, 64, None, "", 0, 0, {"recompute": 3}),
+    (2, 64, None, "flat", 3, 0, {}),
+    (4, 64, BF16, "fsdp", 0, 0, {"recompute": 1}),
+    (4, 64, BF16, "nested", 3, 160, {}),
+    (4, 64, None, "fsdp", 0, 0, {}),
+    (4, 64, BF16, "ddp", 0, 0, {"recompute": 2}),
+]
+
+
+@contextlib.contextmanager
+def loss_chunk_rows(rows):
+    """The fused loss's chunk size, as gpt.py runs it and memory.py predicts it, set for the block only."""
+    with unittest.mock.patch.object(gpt, "CE_CHUNK_ROWS", rows), unittest.mock.patch.object(memory, "CE_CHUNK_ROWS",
+                                                                                            rows):
+        yield
+
+
+def no_comm(_, bucket):  # a DDP comm hook for the fake group, whose all-reduce returns no tensor
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def wrapped_forward(model, how, dtype, k):
+    """The forward memory.step runs for one layout: FSDP2, DDP (no communication), or checkpointed groups."""
+    if how == "fsdp":  # the one FSDP2 setup, as train.py and ddp.py use it
+        return gpt.fully_shard_gpt(model, dtype)
+    if how == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model)
+        model.register_comm_hook(None, no_comm)
+        return model
+    return memory.checkpointed(model, how or "none", k)
+
+
+def measured_spans(model, log, pred):
+    """{phase or block: (predicted, measured)}: forward, backward, and each block's stretch of backward, cut at
+    LayerNorm backwards (under FSDP a stretch starts with the block above's last op, which holds its unreduced
+    gradients)."""
+    marks = {name: i for i, (name, _) in enumerate(log) if name in ("forward", "backward")}
+    cuts = [i for i in range(marks["forward"], marks["backward"]) if "norm_backward" in str(log[i][0])]
+    spans = {ph: (pred["phases"][ph][0], log[marks[ph]][1]) for ph in marks}
+    for j, b in enumerate(range(len(model.h) - 1, -1, -1)):
+        names = [f"backward: block {b}", f"backward: block {b} attention", f"backward: block {b + 1} done"]
+        spans[b] = (max(pred["totals"].get(n, 0) for n in names),
+                    max(level for _, level in log[cuts[2 * j] + 1:cuts[2 * j + 2] + 1]))
+    return spans
+
+
+def check_account_case(B, T, dtype, how, k, kw):
+    """One layout: the state, every phase and block peak, and the saved bytes equal the prediction; checkpointed
+    gradients equal the plain model's. Returns the predicted peak moments of forward and backward."""
+    torch.manual_seed(0)
+    cfg = gpt.make_config("tiny", **kw)
+    model = gpt.GPT(cfg)
+    forward, opt = wrapped_forward(model, how, dtype, k), gpt.configure_optimizer(model, lr=1e-3)
+    x, y = memory.random_batch(cfg, B, T, "cpu")
+    memory.step(model, opt, x, y, dtype, forward=forward)  # AdamW's state now exists
+    world = 1
+    if how == "fsdp":
+        world = 2
+    pred = memory.account(cfg, B, T, dtype, "cpu", world=world, groups=k, ddp=how == "ddp", nested=how == "nested")
+    what, state = f"{B}x{T} {dtype} {how} k={k} {kw}", pred["moments"]["optimizer step"]
+    nbytes = memory.LiveBytes(memory.state_tensors(model, opt)).now()  # DTensors: the local shards
+    assert nbytes == state["weights (fp32)"] + state["AdamW moments + step"], (what, nbytes)
+    # measured in the second step: DDP rebuilds its buckets (in the order gradients arrived) in its forward
+    with memory.LiveBytes(memory.state_tensors(model, opt) + [x, y]) as live:
+        memory.step(model, opt, x, y, dtype, lambda ph: live.levels.append((ph, live.reset_peak())), forward)
+    spans = measured_spans(model, live.levels, pred)
+    bad = [f"{at}: predicted {p:,}, measured {m:,}" for at, (p, m) in spans.items() if abs(p / m - 1) > 1e-3]
+    assert not bad, (what, bad)
+    if how != "fsdp":
+        with gpt.autocast("cpu", dtype):
+            saved = gpt.saved_tensor_bytes(lambda: forward(x, y), [*model.parameters(), x, y])
+        assert saved == pred["saved"], (what, saved, pred["saved"])
+    if k:
+        grads = [torch.autograd.grad(f(x, y)[1], list(model.parameters())) for f in (model, forward)]
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads)), what
+    return {pred["phases"]["forward"][1], pred["phases"]["backward"][1]}
+
+
 def test_memory_account_exact_on_cpu():
-    """memory.account = live tensors counted op by op: state, saved, phase and per-block peaks, in 11 layouts."""
-    # a block's stretch is cut at LayerNorm backwards (under FSDP it starts with the block above's last op, which holds
-    # its unreduced gradients). GPU-only: the CUDA allocator, NCCL, fp32 LayerNorm under autocast, the Triton loss
+    """memory.account = live tensors counted op by op: state, saved, phase and per-block peaks, in 12 layouts
+    (one process, a DDP rank and an FSDP rank in a fake two-rank group, flat and nested checkpoints). GPU-only and
+    not here: the CUDA allocator, NCCL, fp32 LayerNorm under autocast, the Triton loss."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    def no_comm(_, bucket):  # the fake group's all-reduce returns no tensor; NCCL's works in place
-        done = torch.futures.Future()
-        done.set_result(bucket.buffer())
-        return done
-    def wrap(model, how, dtype, k):
-        if how == "fsdp":  # the one FSDP2 setup, as train.py and ddp.py use it
-            return gpt.fully_shard_gpt(model, dtype)
-        if how == "ddp":
-            model = DistributedDataParallel(model)
-            model.register_comm_hook(None, no_comm)
-            return model
-        return memory.checkpointed(model, how or "none", k)
-    bf16, default, seen = torch.bfloat16, gpt.CE_CHUNK_ROWS, set()
+    seen = set()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        for B, T, dtype, how, k, chunk, kw in (
-                (1, 32, None, "", 0, 0, {}), (6, 64, bf16, "", 0, 160, {}), (1, 32, bf16, "", 0, 0, {}),
-                (2, 64, None, "", 0, 0, {"fused_ce": False}), (2, 32, bf16, "", 0, 0, {"fused_ce": 0, "attn": "naive"}),
-                (8, 64, bf16, "", 0, 0, {"recompute": 1}), (4, 64, None, "", 0, 0, {"recompute": 3}),
-                (2, 64, None, "flat", 3, 0, {}), (4, 64, bf16, "fsdp", 0, 0, {"recompute": 1}),
-                (4, 64, bf16, "nested", 3, 160, {}),
-                (4, 64, None, "fsdp", 0, 0, {}), (4, 64, bf16, "ddp", 0, 0, {"recompute": 2})):
-            gpt.CE_CHUNK_ROWS = memory.CE_CHUNK_ROWS = chunk or default
-            torch.manual_seed(0)
-            cfg = gpt.make_config("tiny", **kw)
-            model = gpt.GPT(cfg)
-            forward, opt = wrap(model, how, dtype, k), gpt.configure_optimizer(model, lr=1e-3)
-            x, y = memory.random_batch(cfg, B, T, "cpu")
-            memory.step(model, opt, x, y, dtype, forward=forward)  # AdamW's state now exists
-            pred = memory.account(cfg, B, T, dtype, "cpu", world=2 * (how == "fsdp"), groups=k, ddp=how == "ddp",
-                                  nested=how == "nested")
-            what, state = f"{B}x{T} {dtype} {how} k={k} chunk={chunk} {kw}", pred["moments"]["optimizer step"]
-            nbytes = memory.LiveBytes(memory.state_tensors(model, opt)).now()  # DTensors: the local shards
-            assert nbytes == state["weights (fp32)"] + state["AdamW moments + step"], (what, nbytes)
-            # first: DDP rebuilds its buckets (in the order gradients arrived) in the second step's forward
-            with memory.LiveBytes(memory.state_tensors(model, opt) + [x, y]) as live:
-                memory.step(model, opt, x, y, dtype, lambda ph: live.levels.append((ph, live.reset_peak())), forward)
-            log = live.levels
-            marks = {name: i for i, (name, _) in enumerate(log) if name in ("forward", "backward")}
-            cuts = [i for i in range(marks["forward"], marks["backward"]) if "norm_backward" in str(log[i][0])]
-            spans = {ph: (pred["phases"][ph][0], log[marks[ph]][1]) for ph in marks}
-            for j, b in enumerate(range(len(model.h) - 1, -1, -1)):
-                names = [f"backward: block {b}", f"backward: block {b} attention", f"backward: block {b + 1} done"]
-                spans[b] = (max(pred["totals"].get(n, 0) for n in names),
-                            max(level for _, level in log[cuts[2 * j] + 1:cuts[2 * j + 2] + 1]))
-            bad = [f"{at}: predicted {p:,}, measured {m:,}" for at, (p, m) in spans.items() if abs(p / m - 1) > 1e-3]
-            assert not bad, (what, bad)
-            if how != "fsdp":
-                with gpt.autocast("cpu", dtype):
-                    saved = gpt.saved_tensor_bytes(lambda: forward(x, y), [*model.parameters(), x, y])
-                assert saved == pred["saved"], (what, saved, pred["saved"])
-            seen |= {pred["phases"]["forward"][1], pred["phases"]["backward"][1]}
-            if k:
-                grads = [torch.autograd.grad(f(x, y)[1], list(model.parameters())) for f in (model, forward)]
-                assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads)), what
+        for B, T, dtype, how, k, chunk, kw in ACCOUNT_CASES:
+            with loss_chunk_rows(chunk or gpt.CE_CHUNK_ROWS):
+                seen |= check_account_case(B, T, dtype, how, k, kw)
     finally:
-        gpt.CE_CHUNK_ROWS = memory.CE_CHUNK_ROWS = default
         dist.destroy_process_group()
     assert {"forward: loss chunk", "forward: loss end", "forward end", "backward start", "backward end"} <= seen
 
