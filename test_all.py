@@ -1138,12 +1138,9 @@ def kill_rank_one(rank, *_):
 
 def test_ddp_selftest_matches_one_process():
     """On 2 and 4 gloo ranks every wrapper ends with one process's weights; a wrapper that never averages is caught."""
-    ddp.TOY_VARIANTS["no-sync"] = (NoSyncDDP, "sgd", 2e-6)
-    try:
-        runs = {world: call_main("ddp.py", "selftest", "--world", world, "--backend", "gloo") for world in (2, 4)}
-    finally:
-        del ddp.TOY_VARIANTS["no-sync"]
     n = len(ddp.TOY_VARIANTS)
+    with unittest.mock.patch.dict(ddp.TOY_VARIANTS, {"no-sync": (NoSyncDDP, "sgd", 2e-6)}):  # one more, for the test
+        runs = {world: call_main("ddp.py", "selftest", "--world", world, "--backend", "gloo") for world in (2, 4)}
     for code, out, err in runs.values():
         assert code == 1 and f"{n} of {n + 1} variants match one-process training; FAILED: no-sync" in out, out + err
     rows = {ln.split()[0]: ln.split()[1:] for ln in runs[2][1].splitlines() if ln.split()[:1] in (["fsdp"], ["bucket"])}
