@@ -435,18 +435,21 @@ def fully_shard_gpt(model, param_dtype=None):
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def clip_gradients(model, optimizer, max_norm):  # the global norm; gradients scaled to max_norm above it (0: never)
-    # a fused AdamW divides each gradient by grad_scale as it reads it: a pass saved. FSDP's norm is a DTensor
+def clip_gradients(model, optimizer, max_norm):
+    """The gradients' global norm; above max_norm they are scaled down to it (max_norm 0: never)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if hasattr(norm, "full_tensor"):  # FSDP: a DTensor of this rank's part; the whole norm is needed
+        norm = norm.full_tensor()
     if max_norm and optimizer.defaults["fused"]:
-        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # as clip_grad_norm_
+        # a fused AdamW divides each gradient by grad_scale as it reads it: no separate pass over the gradients
+        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # the scale clip_grad_norm_ uses
     elif max_norm:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # takes the parameters, not grads
     return norm
 
-def no_mark(phase):  # train_step's mark when none is given
+def no_mark(phase):
+    """train_step's mark(phase) when none is given."""
     return None
 
 
@@ -626,7 +629,8 @@ class Timing:
     def ms(self, digits=2):
         return f"{self.median:.{digits}f} ({self.low:.{digits}f}-{self.high:.{digits}f})"
 
-    def mean_std(self, digits=2):  # as the CS336 benchmarking script reports a timing
+    def mean_std(self, digits=2):
+        """Mean ± standard deviation, as the CS336 benchmarking script reports a timing."""
         return f"{self.mean:.{digits}f} ± {self.std:.{digits}f}"
 
     def vs(self):
