@@ -1047,6 +1047,15 @@ def test_memory_parallel_calculator_by_hand():
     budgets = [memory.account(cfg, B, 1024, torch.bfloat16)["peak"] - d for B, d in ((37, 1), (12, 0))]
     assert [memory.predict_max_batch(cfg, 1024, torch.bfloat16, budget) for budget in budgets] == [36, 12]
 
+def test_memory_compiled_prediction_states_its_error():
+    """A compiled prediction says how far such predictions have been from the measured peak; an eager one does not."""
+    flags = ["account", "--model", "tiny", "--fsdp", "--bf16", "--batch", 2, "--seq", 64]
+    compiled, _ = main_ok("memory.py", *flags, "--compile")
+    eager, _ = main_ok("memory.py", *flags)
+    band = f"up to {memory.COMPILED_ERROR_PERCENT}% off the measured peak"
+    assert band in compiled and band not in eager, compiled
+
+
 def test_memory_bad_input():
     with tempfile.TemporaryDirectory() as d:
         theirs = os.path.join(d, "theirs.pickle")
