@@ -11,6 +11,7 @@ max_memory_allocated on a GPU; `checkpoint` trades activations for recomputation
     python memory.py account --model 2.7B --batch 16 --seq 1024 --bf16 --vocab 50304 --fsdp --compile
     python memory.py checkpoint --model xl --batch 4 --seq 2048 --bf16   # flat and nested groups of each size
     python memory.py parallel --bf16 [--devices 64 --tp 4 | --model xl --tp 5 --devices 10]   # pure arithmetic
+    python memory.py parallel --bf16 --tflops 990     # + the handout's FFN layer: compute against communication
     python memory.py snapshot --seq 2048 --batch 2 --bf16 --phase both --out snap.pickle    # for memory_viz"""
 
 import argparse
@@ -882,6 +883,105 @@ def part_parallel(shape, N, t, B, T, width, alpha, beta, device_gb):
     print(f"parallel: N_FSDP = {devices_hold} the "
           f"{state / GB:,.0f} GB of state fully sharded (activations aside); {ring_vs_tree(N, alpha, beta)}")
 
+# The handout's written problems: one SwiGLU FFN layer, x (B, D) -> y (B, D) through W1, W2 (D, F) and W3 (F, D),
+# 2-byte values, C FLOP/s of compute and W bytes/s of egress per device, latency ignored. A scheme is compute-bound
+# while its communication takes no longer than its matmuls (the two overlap).
+
+
+def ffn_costs(B, D, F, C, W, n_fsdp, n_tp):
+    """{(scheme, pass): (FLOPs per device, compute s, communication s)} for n_fsdp-way data sharding (DP's or
+    FSDP's) and n_tp-way tensor parallelism of the FFN layer; DP and FSDP rows use n_fsdp, TP rows n_tp."""
+    forward, backward = 6 * B * D * F, 12 * B * D * F  # 3 matmuls of 2 B D F; backward: dX and dW of each
+    weights = 2 * 3 * D * F  # bytes of W1, W2, W3
+    n, t = n_fsdp, n_tp
+    costs = {
+        # DP: forward alone; backward: an all-reduce of the gradients (ring: 2(n-1)/n of the bytes)
+        ("DP", "backward"): (backward / n, 2 * (n - 1) / n * weights / W),
+        # FSDP: weights all-gathered before each pass; backward also reduce-scatters the gradients
+        ("FSDP", "forward"): (forward / n, (n - 1) / n * weights / W),
+        ("FSDP", "backward"): (backward / n, 2 * (n - 1) / n * weights / W),
+        # TP (W1, W2 column-parallel, W3 row-parallel): forward all-reduces y, backward all-reduces dx, (B, D) each
+        ("TP", "forward"): (forward / t, 2 * (t - 1) / t * 2 * B * D / W),
+        ("TP", "backward"): (backward / t, 2 * (t - 1) / t * 2 * B * D / W),
+    }
+    # FSDP x TP forward: all-gather this TP rank's weights over the FSDP axis; all-reduce y(j) (B/n, D) over TP
+    fsdp_axis = (n - 1) / n * weights / t / W
+    tp_axis = 2 * (t - 1) / t * 2 * (B / n) * D / W
+    costs[("FSDP x TP", "forward, axes overlapped")] = (forward / (n * t), max(fsdp_axis, tp_axis))
+    costs[("FSDP x TP", "forward, axes in turn")] = (forward / (n * t), fsdp_axis + tp_axis)
+    return {key: (flops, flops / C, comm) for key, (flops, comm) in costs.items()}
+
+
+def largest_fitting(fits, limit):
+    """The largest k in 1..limit with fits(k), for a condition that holds up to a point and not after; 0 if none."""
+    if not fits(1):
+        return 0
+    low = 1
+    while low * 2 <= limit and fits(low * 2):
+        low *= 2
+    high = min(2 * low, limit + 1)  # fits(low) and not fits(high) (or high is past the limit): bisect between
+    while high - low > 1:
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def most_devices(B, D, F, C, W, key, limit=1 << 20):
+    """The largest device count at which `key` stays compute-bound, found by evaluating ffn_costs (a check on the
+    closed forms). FSDP x TP: the best integer split n_fsdp x n_tp, each TP degree up to 4096 tried."""
+    def bound(n, t):
+        _, compute, comm = ffn_costs(B, D, F, C, W, n, t)[key]
+        return comm <= compute
+    if key[0] != "FSDP x TP":
+        return largest_fitting(lambda N: bound(N, N), limit)
+    best = 0
+    for t in range(1, 4097):
+        n = largest_fitting(lambda n: bound(n, t), limit)
+        if n == 0:  # a larger TP degree fails already at n = 1
+            break
+        best = max(best, n * t)
+    return best
+
+
+def print_ffn(B, D, F, C, W, N, t):
+    """The handout's FFN questions, numerically: FLOPs, compute and communication time per device (DP and FSDP over
+    N devices, TP over t, FSDP x TP over N/t x t), then the most devices each scheme reaches compute-bound, beside
+    the bound's closed form."""
+    n = N // t
+    print(f"\nthe handout's FFN layer: B={B:,} rows, D={D:,}, D_FF={F:,}, 2-byte values, C={C / 1e12:g} TFLOP/s, "
+          f"W={W / GB:g} GB/s egress, latency ignored; DP and FSDP over {N} devices, TP over {t}, FSDP x TP over "
+          f"{n} x {t}")
+    costs = ffn_costs(B, D, F, C, W, N, t)
+    two_d = ffn_costs(B, D, F, C, W, n, t)
+    for key in costs:
+        if key[0] == "FSDP x TP":
+            costs[key] = two_d[key]
+    rows = []
+    for key, (flops, compute, comm) in costs.items():
+        bound = "compute"
+        if comm > compute:
+            bound = "communication"
+        rows.append([f"{key[0]} {key[1]}", f"{flops:.4g}", f"{compute * 1e3:,.3f}", f"{comm * 1e3:,.3f}", bound,
+                     f"{most_devices(B, D, F, C, W, key):,}"])
+    print_table(["scheme, pass", "FLOPs per device", "compute ms", "communication ms", "bound by",
+                 "most devices, compute-bound"], rows)
+    dp, tp_forward = 1 + B * W / C, 1 + 1.5 * F * W / C
+    print(f"  closed forms (ring collectives, N devices): DP and FSDP stay compute-bound while N <= 1 + B W / C = "
+          f"{dp:,.1f}; TP forward while N <= 1 + 1.5 D_FF W / C = {tp_forward:,.1f}, backward while "
+          f"N <= 1 + 3 D_FF W / C = {1 + 3 * F * W / C:,.1f}")
+    print(f"  FSDP x TP forward: with the axes overlapped each axis has its own bound, N <= (1 + B W / C)"
+          f"(1 + 1.5 D_FF W / C) = {dp * tp_forward:,.1f}; in turn they share one budget, 3 D_FF (n-1) + 2 B (t-1) "
+          f"<= 3 B D_FF W / C, so with K = 3 B D_FF W / C + 3 D_FF + 2 B the best split is 3 D_FF n = 2 B t = K / 2: "
+          f"N <= K^2 / (24 B D_FF) = {(3 * B * F * W / C + 3 * F + 2 * B) ** 2 / (24 * B * F):,.1f} (about "
+          f"3/8 B D_FF W^2 / C^2 when n and t are large)")
+    weights = 2 * 3 * D * F
+    print(f"  alternate ring all-reduce of the {weights / GB:.4g} GB of weights (each device passes whole tensors "
+          f"on, N-1 steps of S bytes): (N-1) S / W = {(N - 1) * weights / W * 1e3:,.2f} ms over {N} devices, "
+          f"against the ring's 2(N-1)/N S / W = {2 * (N - 1) / N * weights / W * 1e3:,.2f} ms")
+
 # takeaway: sharding divides bytes by the degree; the price is communication, latency-bound for small messages.
 
 # --- 6. snapshot: the allocator's own record of an inference forward and a training step, for pytorch.org/memory_viz
@@ -1027,11 +1127,15 @@ def parse(argv):
     p.add_argument("--d-model", type=int_in(1), help="parallel: the course's model's width (default 16384)")
     p.add_argument("--d-ff", type=int_in(1), help="parallel: its hidden width (default 4 d_model; 53248)")
     p.add_argument("--layers", type=int_in(1), help="parallel: its blocks (default 126)")
+    p.add_argument("--tflops", type=float_in(1e-3, 1e6),
+                   help="parallel: compute per device, TFLOP/s; adds the handout's FFN layer: compute against "
+                        "communication for DP, FSDP, TP and FSDP x TP (B = batch x seq rows)")
     return p.parse_args(argv)
 
 
 # flags only some parts read: {flag: (the parts, in words)}; given to another part it would be ignored in silence
-PARALLEL_FLAGS = ("devices", "tp", "bandwidth_gbs", "latency_us", "device_gb", "params", "d_model", "d_ff", "layers")
+PARALLEL_FLAGS = ("devices", "tp", "bandwidth_gbs", "latency_us", "device_gb", "params", "d_model", "d_ff", "layers",
+                  "tflops")
 READ_BY = {"unfused": (("account", "snapshot"), "account and snapshot"),
            "recompute": (("account", "snapshot"), "account and snapshot"),
            **dict.fromkeys(("fsdp", "ddp", "compile", "sweep"), (("account",), "account")),
@@ -1118,6 +1222,11 @@ def main(argv=None):
                                2 if args.bf16 else 4)
         part_parallel(shape, par["devices"], par["tp"], B, T, 2 if args.bf16 else 4, par["latency_us"] * 1e-6,
                       par["bandwidth_gbs"] * GB, par["device_gb"])
+        if args.tflops:
+            d, d_ff = cfg.n_embd, cfg.d_ff
+            if not args.model:
+                d, d_ff = args.d_model or XXL[0], course_d_ff(args.d_model, args.d_ff)
+            print_ffn(B * T, d, d_ff, args.tflops * 1e12, par["bandwidth_gbs"] * GB, par["devices"], par["tp"])
         return
     out = args.out or "memory_snapshot.pickle"
     if args.part == "snapshot":

@@ -1056,6 +1056,26 @@ def test_memory_compiled_prediction_states_its_error():
     assert band in compiled and band not in eager, compiled
 
 
+def test_memory_ffn_compute_against_communication_by_hand():
+    """The handout's FFN layer: FLOPs and ring-collective times by hand, and the device counts where each scheme
+    turns communication-bound equal the floors of the closed forms."""
+    B, D, F, C, W = 4096, 64, 512, 1e13, 1e11  # B W / C = 40.96, 1.5 F W / C = 7.68, 3 F W / C = 15.36
+    costs = memory.ffn_costs(B, D, F, C, W, 4, 2)
+    weights = 2 * 3 * D * F  # bytes
+    assert costs[("DP", "backward")] == (12 * B * D * F / 4, 12 * B * D * F / 4 / C, 2 * 3 / 4 * weights / W)
+    assert costs[("FSDP", "forward")][2] == 3 / 4 * weights / W
+    assert costs[("TP", "forward")][0] == 6 * B * D * F / 2 and costs[("TP", "forward")][2] == 2 * B * D / W
+    overlapped = costs[("FSDP x TP", "forward, axes overlapped")][2]
+    assert overlapped == max(3 / 4 * weights / 2 / W, 2 * B / 4 * D / W)
+    expected = {("DP", "backward"): 41, ("FSDP", "forward"): 41, ("FSDP", "backward"): 41, ("TP", "forward"): 8,
+                ("TP", "backward"): 16, ("FSDP x TP", "forward, axes overlapped"): 41 * 8}
+    for key, devices in expected.items():
+        assert memory.most_devices(B, D, F, C, W, key) == devices, key
+    out, _ = main_ok("memory.py", "parallel", "--d-model", 1024, "--devices", 8, "--tp", 2, "--tflops", 500)
+    assert "the handout's FFN layer" in out and "alternate ring all-reduce" in out, out
+    assert "the handout's FFN layer" not in main_ok("memory.py", "parallel", "--d-model", 1024)[0]
+
+
 def test_memory_bad_input():
     with tempfile.TemporaryDirectory() as d:
         theirs = os.path.join(d, "theirs.pickle")
@@ -1081,6 +1101,8 @@ def test_memory_bad_input():
             ("account --groups 2", "is read by checkpoint, not by account"),
             ("parallel --fsdp", "is read by account, not by parallel"),
             ("parallel --world 4", "--devices"),
+            ("account --tflops 100", "--tflops is read by parallel"),
+            ("parallel --tflops 0", "--tflops: must be at least 0.001"),
             ("account --world 3", "rank count of account --fsdp or --ddp"),
             ("checkpoint --unfused", "not by checkpoint"),
             ("account --rounds 3", "is read by checkpoint"),
