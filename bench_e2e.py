@@ -431,9 +431,10 @@ def run_warmup_table(name, config, plan, settled, device):
     for mode, warmup in product(plan.modes, WARMUPS):
         print(f"  {mode}, {warmup} warm-up steps", file=sys.stderr, flush=True)
         head, rest = warmup_row(config, s, mode, warmup, settled, x, y, device)
-        mean, std = statistics.mean(rest), statistics.stdev(rest) if len(rest) > 1 else 0.0
-        rows.append([mode, warmup, *[f"{ms:.2f}" for ms in head], f"{mean:.2f} ± {std:.2f}", f"{head[0] / mean:.1f}x"])
-        ratios[(mode, warmup)] = head[0] / mean
+        settled_steps = summarize({"settled": rest})["settled"]  # the timer's statistics: mean and sample std
+        rows.append([mode, warmup, *[f"{ms:.2f}" for ms in head], settled_steps.mean_std(),
+                     f"{head[0] / settled_steps.mean:.1f}x"])
+        ratios[(mode, warmup)] = head[0] / settled_steps.mean
     where = torch.cuda.get_device_name(device) if cuda else "CPU"
     print(f"\nwarm-up: {name} B={B} T={T}, {where}; each row a fresh model; steps timed one by one "
           f"(synchronized); settled: mean ± std of the {settled} steps after step {FIRST_STEPS}")

@@ -561,9 +561,10 @@ def check_data(run, world):
     """(train tokens, val tokens, eval plan (rows, batches)), or a ValueError when a step or val does not fit."""
     if run.data and os.path.isdir(run.data):
         raise ValueError(f"--data {run.data} is a directory; give the text file itself")
-    tokens = load_tokens()
     if run.data:
         tokens = load_tokens(run.data)
+    else:
+        tokens = load_tokens()
     train_tokens, val = tokens[: int(0.9 * len(tokens))], tokens[int(0.9 * len(tokens)) :]  # the last 10%: validation
     window = run.batch * run.seq * world  # tokens one micro-step reads across the ranks
     if window + 1 > len(train_tokens):
