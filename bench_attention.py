@@ -157,7 +157,8 @@ def sdpa_ops_in(fn, q, k, v, dout):
     # Kineto, the profiler's library, prints "USDT: ... profiler_start/stop" at each profile unless its log level
     # is above every level (6); read when the first profile starts. Only op names are wanted here.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    # acc_events: the profile has one cycle anyway; without it torch warns that events of earlier cycles are dropped
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True) as prof:
         fn(q, k, v).backward(dout)
         synchronize(q.device)
     clear_grads(q, k, v)
@@ -480,6 +481,10 @@ def main(argv=None):
         torch.cuda.set_per_process_memory_fraction(sweep.memory_fraction, device)
     if device.type == "cuda":
         print(f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}")
+        # The first backward runs on autograd's device thread, which finds no CUDA context current yet; torch says so
+        # and makes the primary context current there, as it should. Nothing is wrong, so the notice is not shown.
+        warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context",
+                                category=UserWarning)
     else:  # a CPU shares its cores with everything else: its timings have moved 50x between two runs
         print(f"CPU smoke run, not a measurement: a tiny sweep that finishes in seconds, with timings that can move "
               f"tens of times between runs; torch {torch.__version__}")

@@ -529,8 +529,10 @@ def test_train_bad_input_under_torchrun_said_once_before_any_process_group():
         ("--resume --ckpt input.txt", "torch.load cannot read it")]
     started = AssertionError("a process group started before every flag and file was checked")
     sigterm = signal.getsignal(signal.SIGTERM)  # a silent rank sets its own, to end its wait
-    for rank in (0, 1):  # torchrun's two ranks on one machine
+    for rank in (0, 1):  # torchrun's two ranks on one machine (on two machines of one GPU each where only one GPU is)
         ranks = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+        if HAS_CUDA and torch.cuda.device_count() < 2:  # else every case would stop at "more processes than GPUs"
+            ranks.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         with unittest.mock.patch.dict(os.environ, ranks), unittest.mock.patch.object(train, "RANK_0_GRACE_S", 0), \
                 unittest.mock.patch.object(torch.distributed, "init_process_group", side_effect=started):
             if rank == 0:
