@@ -305,8 +305,37 @@ def _launch(name, n, BH, args, dtype, **meta):
     if name != "fwd":  # the diagonal's sub-tile: half of the dimension that iterates, at least a dot's 16
         meta["DIAG"] = max((bm if name == "dkdv" else bn) // 2, 16)
     tile = bn if name == "dkdv" else bm
-    KERNELS[name][((n + tile - 1) // tile, BH)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-                                                num_stages=stages)
+    grid = (triton.cdiv(n, tile), BH, 1)
+    meta.update(BLOCK_M=bm, BLOCK_N=bn)
+    kernel = KERNELS[name]
+    if INTERPRETED or torch.compiler.is_compiling():  # nothing compiled to keep; torch.compile traces kernel[grid]
+        kernel[grid](*args, **meta, num_warps=warps, num_stages=stages)
+        return
+    key = _launch_key(name, grid, args, (*meta.items(), warps, stages))
+    kept = LAUNCHERS.get(key)
+    if kept is None:  # the first call with these values: Triton specializes, compiles (or loads) and launches
+        compiled = kernel[grid](*args, **meta, num_warps=warps, num_stages=stages)
+        # the compiled kernel takes every parameter in the signature's order, the constexprs after the arguments
+        constexprs = tuple(meta[p.name] for p in kernel.params[len(args):])
+        LAUNCHERS[key] = (compiled[grid], constexprs)
+        return
+    launch, constexprs = kept
+    launch(*args, *constexprs)  # the same kernel Triton would pick, without picking it again
+
+
+# Triton's kernel[grid](...) derives, at every call, what it specializes on (each integer's value 1 or
+# divisibility by 16, each pointer's 16-byte alignment), hashes it into a cache key and then launches:
+# about 36 us a launch on an H100's host, against 14 us for calling the compiled kernel it returned. A
+# model calls these kernels with the same shapes, strides and tiles every step, so the compiled kernel is
+# kept under a key of exactly those values: any value that changes, changes the key.
+LAUNCHERS = {}  # _launch_key(...) -> (the compiled kernel's launcher for one grid, its constexpr values)
+
+
+def _launch_key(name, grid, args, settings):
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)  # what Triton specializes a pointer on
+    numbers = tuple(a for a in args if not isinstance(a, torch.Tensor))  # sizes, strides, scale: by value
+    return (name, grid, tensors[0].device, tuple(t.dtype for t in tensors), aligned, numbers, settings)
 
 
 def _tiles(dtype, D):

@@ -12,7 +12,7 @@ Contents, in the README's script order:
   5. bench_e2e.py: ladder, sweep, warm-up table, profile, bad input
   6. memory.py: the analytic model against live tensors, snapshot, checkpointing, the parallelism calculator
   7. ddp.py: all-reduce table, every wrapper, ZeRO and FSDP equal one process, bad input
-  8. flash_triton.py: both autograd Functions against float64, the grid, bad input
+  8. flash_triton.py: both autograd Functions against float64, kept launchers, the grid, bad input
   9. the repository: code style
   the runner: main()
 """
@@ -1422,6 +1422,25 @@ def test_flash_gpu_matches_reference(dtypes=(torch.float32, torch.float16, torch
                 [((2, 4, 1024, 64), (2, 4, 1024, 64), True), ((1, 3, 517, 32), (1, 3, 781, 32), False),
                  ((2, 1000, 128), (2, 1000, 128), True), ((1, 2, 300, 16), (1, 2, 300, 16), True),
                  ((2, 2, 3, 256, 64), (2, 2, 3, 256, 64), True)])
+
+@gpu
+def test_flash_kept_launchers_same_answer_new_alignment_new_kernel():
+    """A shape's second call goes through the compiled kernel kept from its first, bit for bit the same; a tensor
+    at an address Triton specializes differently (2 bytes past 16-byte alignment) gets a kernel of its own."""
+    import flash_triton as ft
+    q, k, v, do = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    first = ft.flash_attention(*leaves, True)
+    first_grads = torch.autograd.grad(first, leaves, do)
+    kept = len(ft.LAUNCHERS)  # fwd, dq and dkdv
+    again = ft.flash_attention(*leaves, True)
+    assert torch.equal(again, first) and len(ft.LAUNCHERS) == kept, (kept, len(ft.LAUNCHERS))
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(again, leaves, do), first_grads))
+    storage = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
+    q_odd = storage[1:].view(q.shape).copy_(q)  # the same shape and strides, another alignment
+    assert q_odd.data_ptr() % 16 != 0
+    assert rel_err(ft.flash_attention(q_odd, k, v, True).float(), first.float()) < 1e-3
+    assert len(ft.LAUNCHERS) == kept + 1  # a forward compiled for the unaligned q
 
 @gpu
 def test_flash_grid_gpu_prints_every_cell():
