@@ -881,18 +881,28 @@ def make_step(key, bf16, setup, rank, device, marks):
     return step
 
 def memory_groups(rows, config, batch, seq, backend, world, weights):
-    """The rows in groups that fit on one GPU together (CPU: one group), each with the torch DDP and no-comm rows."""
-    shared = [r for r in rows if r[1] in ("torch", "local") and not r[2]]
-    rest = [r for r in rows if r not in shared]
-    if backend != "nccl" or not rest:
-        return [shared + rest]
+    """The rows in groups that fit on one GPU together (CPU: one group). torch DDP is in every group, so that
+    every ratio is paired; the no-comm row too where it fits beside the largest variant, else it is timed in a
+    group of its own like any other row (an xl model on an 80 GB card: torch DDP, no-comm and one more
+    variant would hold 11 copies of the weights)."""
+    if backend != "nccl":
+        return [rows]
     # on top of what all keep: one step's gradients and activations (~34 bytes a token, layer and width in bf16)
     smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(world))
     budget = 0.9 * smallest - weights - 34 * batch * seq * config.n_embd * config.n_layer
-    groups = []
+
+    def held(group):  # each variant's resident copies of the weights; sharded copies are 1/world of them
+        return weights * sum(RESIDENT[key][0] + RESIDENT[key][1] / world for _, key, _ in group)
+
+    torch_ddp = [r for r in rows if r[1] == "torch" and not r[2]]
+    no_comm = [r for r in rows if r[1] == "local" and not r[2]]
+    rest = [r for r in rows if r not in torch_ddp + no_comm]
+    shared = torch_ddp + no_comm
+    if rest and max(held(shared + [row]) for row in rest) > budget:
+        shared, rest = torch_ddp, no_comm + rest
+    groups = [list(shared)]
     for row in rest:
-        held = sum(RESIDENT[k][0] + RESIDENT[k][1] / world for _, k, _ in groups[-1] + [row]) if groups else 0
-        if not groups or held * weights > budget:
+        if len(groups[-1]) > len(shared) and held(groups[-1] + [row]) > budget:
             groups.append(list(shared))
         groups[-1].append(row)
     return groups
@@ -950,11 +960,15 @@ def memory_vs_torch(result, base):
         return f" ({result['peak'] / base['peak']:.2f}x)"
     return ""
 
-def benchmark_row(label, result, base, gpu):
+def benchmark_row(label, result, base, no_comm, gpu):
     if result["oom"]:
         return [label] + ["OOM"] * 8
     timing = Timing(**result["timing"])
-    exposed = "-" if result["exposed"] is None or label == LABELS["local"] else f"{result['exposed']:.1f}"
+    exposed = "-"  # the no-comm row itself, or no no-comm row to compare with
+    if label != LABELS["local"] and result["exposed"] is not None:  # paired with no-comm in the same rounds
+        exposed = f"{result['exposed']:.1f}"
+    elif label != LABELS["local"] and no_comm and not no_comm["oom"]:  # no-comm timed in another group: unpaired
+        exposed = f"{timing.median - no_comm['timing']['median']:.1f}*"
     if not gpu and exposed != "-":  # a smoke run's difference of two medians is noise, negative as often as not
         exposed = "n/a"
     peak = "n/a" if result["peak"] is None else gib(result["peak"]) + memory_vs_torch(result, base)
@@ -972,11 +986,14 @@ def plot_phases(path, done, title):
     print(f"plot saved to {path}")
 
 def print_benchmark(rows, setup, world, plot, gpu):
-    base = rows.get(LABELS["torch"], {})
+    base, no_comm = rows.get(LABELS["torch"], {}), rows.get(LABELS["local"])
+    table = [benchmark_row(label, r, base, no_comm, gpu) for label, r in rows.items()]
     print_table(["variant", "step ms", "vs torch DDP (paired)", "exposed comm ms", "fwd ms", "bwd ms", "wait ms",
-                 "optim ms", "peak GiB (vs torch DDP)"],
-                [benchmark_row(label, r, base, gpu) for label, r in rows.items()])
+                 "optim ms", "peak GiB (vs torch DDP)"], table)
     exposed = "median of (step - no-comm step)"
+    if any(row[3].endswith("*") for row in table):
+        exposed += (" in the same rounds; *: the no-comm model did not fit beside that variant and was timed in "
+                    "another group, so the difference of the two medians, unpaired")
     if not gpu:
         exposed = ("n/a on the CPU: the difference of two medians of a smoke run is within its noise (CPU runs gave "
                    "values below zero), so it says nothing about communication; a GPU run gives the median of "
@@ -1033,9 +1050,12 @@ def run_benchmark(setup, config, variants, world, backend, plot, timeout):
           f"B={setup.batch} per rank, T={setup.seq}, AdamW; {setup.rounds} rounds of {setup.steps} steps per variant "
           f"after {setup.warmup} warm-up")
     plan = f"{len(rows)} variants"
-    if len(groups) > 1:  # the no-comm and torch DDP rows are timed again in every group: every ratio is paired
-        plan += (f" in {len(groups)} groups that fit on a GPU together, each also timing the no-comm and torch DDP "
-                 f"models ({sum(len(group) for group in groups)} timed in all)")
+    if len(groups) > 1:  # torch DDP (and no-comm, where it fits) is timed again in every group: every ratio is paired
+        again = "the no-comm and torch DDP models"
+        if not all(any(key == "local" for _, key, _ in group) for group in groups):
+            again = "torch DDP (the no-comm model does not fit beside every variant: it is timed once)"
+        plan += (f" in {len(groups)} groups that fit on a GPU together, each also timing {again} "
+                 f"({sum(len(group) for group in groups)} timed in all)")
     rounds = f"{setup.rounds} round{'s' if setup.rounds > 1 else ''}"
     print(f"benchmark: {plan} x {rounds}; --variants narrows it (e.g. --variants local,torch,bucket), "
           f"--rounds shortens it", flush=True)

@@ -1237,6 +1237,39 @@ def test_ddp_benchmark_cpu_smoke():
     assert "exposed comm: n/a on the CPU" in out, out
     assert out.splitlines()[-1].startswith("summary: step (memory) vs torch DDP's: local (no comm)"), out
 
+def test_ddp_benchmark_groups_fit_the_card_torch_ddp_in_each():
+    """Groups on two simulated 80 GB GPUs: torch DDP in every group, every other row once; the no-comm row beside
+    every variant only where it fits (gpt2 yes; xl no: it is timed once, like any other row), each group within
+    the budget unless one variant beside torch DDP is already over it."""
+    import ddp
+    rows = ddp.benchmark_rows([v for v in ddp.VARIANTS if ":fp32" not in v], gpu=True)  # the default variants
+    card = unittest.mock.Mock(total_memory=80 * 2**30)
+    for model, no_comm_everywhere in (("gpt2", True), ("xl", False)):
+        config = gpt.make_config(model)
+        with torch.device("meta"):
+            weights = 4 * gpt.GPT(config).num_params()
+        budget = 0.9 * card.total_memory - weights - 34 * 4 * 1024 * config.n_embd * config.n_layer
+        with unittest.mock.patch.object(torch.cuda, "get_device_properties", return_value=card):
+            groups = ddp.memory_groups(rows, config, 4, 1024, "nccl", 2, weights)
+        keys = [[key for _, key, bf16 in group if not bf16] for group in groups]
+        groups_with_no_comm = 1  # xl: the no-comm row is timed once
+        if no_comm_everywhere:
+            groups_with_no_comm = len(groups)
+        assert all("torch" in k for k in keys), keys
+        assert sum("local" in k for k in keys) == groups_with_no_comm, (model, keys)
+        others = [row for group in groups for row in group if row[1] not in ("torch", "local") or row[2]]
+        assert sorted(others) == sorted(r for r in rows if r[1] not in ("torch", "local") or r[2]), (model, groups)
+        for group in groups:  # over budget only where one variant beside the shared rows is already too much
+            held = weights * sum(ddp.RESIDENT[k][0] + ddp.RESIDENT[k][1] / 2 for _, k, _ in group)
+            assert held <= budget or len(group) == 2, (model, [label for label, _, _ in group], held / 2**30)
+        assert (len(groups) == 1) == (model == "gpt2"), (model, len(groups))  # gpt2: everything at once
+    # a row timed without the no-comm model beside it: exposed comm is the difference of medians, marked unpaired
+    timing = {"median": 10.0, "low": 9.0, "high": 11.0, "ratio": 1.0, "ratio_low": 1.0, "ratio_high": 1.0}
+    result = {"oom": False, "timing": timing, "exposed": None, "peak": None, "phases": [1.0, 2.0, 3.0, 4.0]}
+    no_comm = dict(result, timing=dict(timing, median=7.5))
+    assert ddp.benchmark_row("NaiveDDP", result, {}, no_comm, gpu=True)[3] == "2.5*"
+    assert ddp.benchmark_row("NaiveDDP", dict(result, exposed=2.0), {}, no_comm, gpu=True)[3] == "2.0"
+
 def test_ddp_rank_killed_is_one_line():
     """A rank the kernel kills (here: SIGKILL to itself) is reported in one line, exit 2."""
     with contextlib.redirect_stderr(io.StringIO()) as err:
