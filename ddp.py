@@ -884,7 +884,7 @@ def memory_groups(rows, config, batch, seq, backend, world, weights):
     """The rows in groups that fit on one GPU together (CPU: one group). torch DDP is in every group, so that
     every ratio is paired; the no-comm row too where it fits beside the largest variant, else it is timed in a
     group of its own like any other row (an xl model on an 80 GB card: torch DDP, no-comm and one more
-    variant would hold 11 copies of the weights)."""
+    variant would hold 10 or 11 fp32 copies of the weights)."""
     if backend != "nccl":
         return [rows]
     # on top of what all keep: one step's gradients and activations (~34 bytes a token, layer and width in bf16)

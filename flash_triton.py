@@ -296,6 +296,21 @@ INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 1
 KERNELS = {"fwd": _fwd_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
 
 
+# Triton's kernel[grid](...) derives, at every call, what it specializes on (each integer's value 1 or
+# divisibility by 16, each pointer's 16-byte alignment), hashes it into a cache key and then launches:
+# about 36 us a launch on an H100's host, against 14 us for calling the compiled kernel it returned. A
+# model calls these kernels with the same shapes, strides and tiles every step, so the compiled kernel is
+# kept under a key of exactly those values: any value that changes, changes the key.
+LAUNCHERS = {}  # _launch_key(...) -> (the compiled kernel's launcher for one grid, its constexpr values)
+
+
+def _launch_key(name, grid, args, settings):
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)  # what Triton specializes a pointer on
+    numbers = tuple(a for a in args if not isinstance(a, torch.Tensor))  # sizes, strides, scale: by value
+    return (name, grid, tensors[0].device, tuple(t.dtype for t in tensors), aligned, numbers, settings)
+
+
 def _launch(name, n, BH, args, dtype, **meta):
     """Launch kernel `name` with its tiles over n rows (queries, or keys for dkdv) of B*H heads."""
     if meta["TMA"]:
@@ -321,21 +336,6 @@ def _launch(name, n, BH, args, dtype, **meta):
         return
     launch, constexprs = kept
     launch(*args, *constexprs)  # the same kernel Triton would pick, without picking it again
-
-
-# Triton's kernel[grid](...) derives, at every call, what it specializes on (each integer's value 1 or
-# divisibility by 16, each pointer's 16-byte alignment), hashes it into a cache key and then launches:
-# about 36 us a launch on an H100's host, against 14 us for calling the compiled kernel it returned. A
-# model calls these kernels with the same shapes, strides and tiles every step, so the compiled kernel is
-# kept under a key of exactly those values: any value that changes, changes the key.
-LAUNCHERS = {}  # _launch_key(...) -> (the compiled kernel's launcher for one grid, its constexpr values)
-
-
-def _launch_key(name, grid, args, settings):
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)  # what Triton specializes a pointer on
-    numbers = tuple(a for a in args if not isinstance(a, torch.Tensor))  # sizes, strides, scale: by value
-    return (name, grid, tensors[0].device, tuple(t.dtype for t in tensors), aligned, numbers, settings)
 
 
 def _tiles(dtype, D):
@@ -452,7 +452,8 @@ def flash_attention(q, k, v, causal=False, scale=None, precision=None):
     None torch's fp32 matmul setting, so --attn triton matches the rest of the model."""
     return FlashAttention.apply(q, k, v, causal, scale, precision)
 
-# takeaway: tile sizes are per head dim and dtype, and the Function saves only q, k, v, O and L.
+# takeaway: tile sizes are per head dim and dtype, a shape's compiled launcher is kept, and the Function saves only
+# q, k, v, O and L.
 
 # --- 4. the reference: FlashAttention-2 tile by tile in plain PyTorch, on (..., seq, d) tensors
 
