@@ -26,11 +26,12 @@ from itertools import product
 import torch
 
 import gpt  # gpt.NVTX: the switch --nvtx sets
-from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, PRESETS, GPTConfig, amp_dtype, autocast,
-                 check_host_memory, check_output_path, clock, compile_model, configure_optimizer, elapsed_ms, fail,
-                 flops_per_token, fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, int_in, int_list, is_oom,
-                 lazily, make_config, mfu, nvtx_range, on_device, plot_to, print_table, resolve_device, run_main,
-                 set_tf32, step_bytes, summarize, synchronize, time_rounds, train_step, use_fp8)
+from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, PRESETS, GPTConfig, MasterWeights,
+                 amp_dtype, autocast, check_host_memory, check_output_path, clock, compile_model, configure_optimizer,
+                 elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, int_in,
+                 int_list, is_oom, lazily, make_config, mfu, nvtx_range, on_device, plot_to, print_table,
+                 resolve_device, run_main, set_tf32, step_bytes, summarize, synchronize, time_rounds, train_step,
+                 use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
 LADDER = (("fp32, naive attention, vocab 50257", {}),
@@ -41,10 +42,11 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ torch.compile (PDL)", {"compile": True}),  # gpt.compile_model, train.py's compile
           ("+ CUDA graphs", {"graphs": True}),
           ("+ fused linear-CE", {"fused_ce": True}),  # = python train.py --vocab 50304 --bf16 --compile
-          ("+ FP8 block Linears (forced)", {"fp8": True}))
+          ("+ bf16 weights kept by the optimizer", {"master": True}),  # gpt.MasterWeights: a lever, not in train.py
+          ("+ FP8 block Linears (forced)", {"fp8": True, "master": False}))  # on the headline, not the lever
 FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False,
-              "graphs": False, "fused_ce": False, "fp8": False}
-HEADLINE, FP8_RUNG = "+ fused linear-CE", LADDER[-1][0]
+              "graphs": False, "fused_ce": False, "master": False, "fp8": False}
+HEADLINE, MASTER_RUNG, FP8_RUNG = "+ fused linear-CE", LADDER[-2][0], LADDER[-1][0]
 # All rungs live at once, to run in the same rounds: at B=16 T=1024 each gpt2 keeps 1.5 GB of weights and
 # AdamW moments, the fp32 rung's step ~30 GB of activations, the CUDA graph pool ~10 GB: ~55 GB in all.
 
@@ -91,11 +93,15 @@ def build(config, s, device):
         model = GPT(config)
     if s["fp8"]:  # forced: by default use_fp8 converts only Linears >= FP8_MIN_WIDTH wide, none of gpt2's
         use_fp8(model, min_width=0)
+    if s["master"]:  # the blocks' weights become bf16 before compiling: the compiled forward reads them as they are
+        optimizer = MasterWeights(model, lr=1e-4)
+    else:
+        optimizer = configure_optimizer(model, lr=1e-4)
     runner = compile_model(model, cuda_graphs=s["graphs"]) if s["compile"] else model
     scaler = None
     if s["dtype"] == torch.float16:
         scaler = torch.amp.GradScaler(device.type)
-    return Bench(model, runner, configure_optimizer(model, lr=1e-4), s["dtype"], s["tf32"], scaler, config)
+    return Bench(model, runner, optimizer, s["dtype"], s["tf32"], scaler, config)
 
 def run_step(mode, bench, x, y):
     # The forward runs with autograd on, as in training: it keeps the activations backward needs, most of
@@ -119,7 +125,10 @@ def held_bytes(bench):  # what a built model keeps between steps: weights and Ad
     if bench is None:
         return 0
     state = [t for s in bench.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return sum(t.numel() * t.element_size() for t in [*bench.model.parameters(), *state])
+    masters = []
+    if isinstance(bench.optimizer, MasterWeights):  # fp32 masters and their gradients, beside the bf16 weights
+        masters = [t for m in bench.optimizer.masters for t in (m, m.grad)]
+    return sum(t.numel() * t.element_size() for t in [*bench.model.parameters(), *state, *masters])
 
 def timed(variants, device, plan):
     """gpt.time_rounds, a progress line a round; peaks less what the other variants held (none without warm-up)."""
@@ -183,6 +192,9 @@ def run_ladder(config, B, T, device, plan, plot=None, plt=None):
                  "MFU", "peak alloc (GiB)"], rows)
     if (config.n_layer, config.n_embd, B, T) == (12, 768, 16, 1024) and stats.get(HEADLINE):
         print(f"'{HEADLINE}' is train.py's headline configuration: python train.py --vocab 50304 --bf16 --compile")
+    if stats.get(MASTER_RUNG):
+        print(f"'{MASTER_RUNG}': gpt.MasterWeights, the blocks' Linear weights bf16 in the model and fp32 in the "
+              "optimizer, which copies them over after its step; not in train.py yet (no clipping, DDP or checkpoints)")
     if stats.get(FP8_RUNG):
         print(f"'{FP8_RUNG}': gpt.use_fp8(model, min_width=0), all four Linears of each block; by default use_fp8 "
               f"(train.py --fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)")

@@ -409,12 +409,56 @@ def use_fp8(model, min_width=FP8_MIN_WIDTH):
 # --- 6. optimizer, compilation, sharding and one training step
 
 def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
+    """The model's AdamW (adamw below), over every parameter that trains."""
+    return adamw([p for p in model.parameters() if p.requires_grad], lr, weight_decay, betas)
+
+
+def adamw(params, lr, weight_decay=0.1, betas=(0.9, 0.95)):
     """AdamW with weight decay on matrices and embeddings, not on biases or LayerNorm gains; fused on a GPU (a few
     kernels for all the parameters instead of a dozen per parameter)."""
-    params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=all(p.is_cuda for p in params))
+
+
+class MasterWeights:
+    """Weights cast once, where they change: an optimizer (step, zero_grad, param_groups) for a model whose
+    blocks' matmul weights are bf16, with their fp32 masters and AdamW's moments kept here.
+
+    Under bf16 autocast every forward casts each fp32 weight to bf16 again, and each backward casts its bf16
+    gradient back to fp32: two small kernels per weight and step, 96 for gpt2's 48 block Linears. Here the
+    model holds the bf16 copy itself (the forward casts nothing) and the step makes two multi-tensor copies:
+    the bf16 gradients into the masters' fp32 gradients before AdamW, the updated masters into the bf16
+    weights after it. The values are autocast's (the same round-to-nearest casts, made once per step instead
+    of once per use), so training matches it bit for bit. The token embedding (tied to the output layer) and
+    every vector stay fp32, as autocast keeps them. Not for DDP or FSDP, gradient clipping or checkpoints:
+    those read model.parameters(), which now holds the bf16 copies."""
+
+    def __init__(self, model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
+        self.low, self.masters = [], []
+        for block in model.h:
+            for module in block.modules():
+                if type(module) is not nn.Linear:
+                    continue
+                master = module.weight
+                master.grad = torch.zeros_like(master)  # written by the copy before each step
+                module.weight = nn.Parameter(master.detach().to(torch.bfloat16))  # what the forward reads
+                self.masters.append(master)
+                self.low.append(module.weight)
+        self.own = [p for p in model.parameters() if p.dtype == torch.float32]  # their own masters
+        self.optimizer = adamw(self.masters + self.own, lr, weight_decay, betas)
+        self.param_groups, self.defaults, self.state = (self.optimizer.param_groups, self.optimizer.defaults,
+                                                        self.optimizer.state)
+
+    @torch.no_grad()
+    def step(self):
+        torch._foreach_copy_([m.grad for m in self.masters], [w.grad for w in self.low])  # bf16 -> fp32
+        self.optimizer.step()
+        torch._foreach_copy_(self.low, self.masters)  # fp32 -> bf16, rounded to nearest as autocast rounds
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.low + self.own:  # the masters' gradients are overwritten, never accumulated into
+            p.grad = None
 
 
 def compile_model(model, cuda_graphs=False):

@@ -9,7 +9,7 @@ Contents, in the README's script order:
   2. train.py: learning, checkpoints, FSDP and DDP, interrupts, bad input
   3. bench_attention.py: sweep, saved-bytes model, OOM, bad input
   4. precision.py: accumulation, autocast, LayerNorm overflow, FP8 scaling
-  5. bench_e2e.py: ladder, sweep, warm-up table, profile, bad input
+  5. bench_e2e.py: ladder (and its bf16-weights lever), sweep, warm-up table, profile, bad input
   6. memory.py: the analytic model against live tensors, snapshot, checkpointing, the parallelism calculator
   7. ddp.py: all-reduce table, every wrapper, ZeRO and FSDP equal one process, bad input
   8. flash_triton.py: both autograd Functions against float64, kept launchers, the grid, bad input
@@ -714,7 +714,7 @@ def test_bench_e2e_ladder_cpu():
     code, out, err = call_main("bench_e2e.py", "--device", "cpu", "--ladder", "--batch", 1, "--seq", 16, "--rounds", 2,
                                "--plot", png)
     rows = [line for line in out.splitlines() if line.startswith(tuple(name for name, _ in bench_e2e.LADDER))]
-    expect = [(0, 0), (1, 0), (0, 2), (0, 2), (0, 2), (1, 0), (1, 0), (1, 0), (1, 0)]  # (skipped, paired speed-ups)
+    expect = [(0, 0), (1, 0), (0, 2), (0, 2), (0, 2), (1, 0), (1, 0), (1, 0), (1, 0), (1, 0)]  # (skipped, speed-ups)
     assert code == 0 and [(r.count("skipped"), r.count("x (")) for r in rows] == expect, err + out
     assert out.strip().splitlines()[-1].startswith("ladder:") and bench_e2e.starts_with(b"\x89PNG\r\n\x1a\n")(png)
     cpu, config = torch.device("cpu"), gpt.make_config("tiny")
@@ -722,6 +722,23 @@ def test_bench_e2e_ladder_cpu():
     assert len(losses) == 4 and all(abs(v - losses[0]) < 0.02 * losses[0] for v in losses), losses
     fp8 = bench_e2e.build(config, {**bench_e2e.FIRST_RUNG, "fp8": True}, cpu).model  # forced: all four per block
     assert sum(type(m) is gpt.Fp8Linear for m in fp8.modules()) == 4 * config.n_layer
+
+def test_bench_e2e_master_weights_train_as_autocast_bit_for_bit():
+    """The MasterWeights rung (bf16 block weights in the model, fp32 masters in the optimizer, one copy each way per
+    step) trains exactly as bf16 autocast over fp32 weights: the same losses and weights, bit for bit."""
+    cpu, config = torch.device("cpu"), gpt.make_config("tiny")
+    plain = {**bench_e2e.FIRST_RUNG, "dtype": torch.bfloat16, "attn": "sdpa", "fused_ce": True}
+    runs = []
+    for master in (False, True):
+        bench = bench_e2e.build(config, {**plain, "master": master}, cpu)
+        losses = [bench_e2e.run_step("train", bench, *bench_e2e.batch_of(2, 32, cpu)).item() for _ in range(4)]
+        linears = [m.weight for block in bench.model.h for m in block.modules() if type(m) is torch.nn.Linear]
+        runs.append((losses, linears, bench.optimizer))
+    (losses, fp32, _), (master_losses, bf16, kept) = runs
+    assert master_losses == losses and losses[-1] < losses[0], (losses, master_losses)
+    assert all(w.dtype == torch.bfloat16 for w in bf16) and len(kept.masters) == 4 * config.n_layer
+    assert all(torch.equal(a, b) for a, b in zip(fp32, kept.masters))  # the masters are the plain run's weights
+    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(fp32, bf16))  # and the bf16 copies their casts
 
 def test_bench_e2e_sweep_numbers_profile_cpu_run():
     cpu = torch.device("cpu")
