@@ -1473,6 +1473,20 @@ def test_flash_gpu_matches_reference(dtypes=(torch.float32, torch.float16, torch
                  ((2, 1000, 128), (2, 1000, 128), True), ((1, 2, 300, 16), (1, 2, 300, 16), True),
                  ((2, 2, 3, 256, 64), (2, 2, 3, 256, 64), True)])
 
+def test_flash_launch_key_follows_what_triton_specializes():
+    """A kept launcher's key: the same for tensors of one layout anywhere aligned; another for a pointer 2 bytes
+    off alignment, another dtype, stride, size or tile."""
+    with unittest.mock.patch.dict(os.environ):  # on a CPU its import sets TRITON_INTERPRET=1: not for other tests
+        import flash_triton as ft
+    def key(t, tiles=(64, 64)):
+        return ft._launch_key("fwd", (1, 1, 1), (t, t.stride(0), t.shape[0], 0.125), tiles)
+    a, b = torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16)
+    odd = torch.zeros(64 * 64 + 1, dtype=torch.bfloat16)[1:].view(64, 64)
+    assert a.data_ptr() != b.data_ptr() and key(a) == key(b)
+    different = [key(odd), key(a.float()), key(torch.zeros(64, 128, dtype=torch.bfloat16)[:, :64]),
+                 key(torch.zeros(32, 64, dtype=torch.bfloat16)), key(a, (128, 64))]
+    assert all(k != key(a) for k in different) and len(set(different)) == len(different)
+
 @gpu
 def test_flash_kept_launchers_same_answer_new_alignment_new_kernel():
     """A shape's second call goes through the compiled kernel kept from its first, bit for bit the same; a tensor
