@@ -1240,12 +1240,15 @@ def test_ddp_optimizer_memory_counts_match_prediction():
     assert out.splitlines()[-1].startswith("summary: ZeRO-1's fullest rank keeps"), out
 
 def test_ddp_benchmark_cpu_smoke():
-    """On 2 gloo ranks: a benchmark row per variant."""
+    """On 2 gloo ranks: a benchmark row per variant. In its own process: rank 0 prints each group's progress line,
+    and a spawned rank (where CUDA exists) writes to the terminal, past this runner's capture."""
     with tempfile.TemporaryDirectory() as tmp:
         plot = ["--plot", os.path.join(tmp, "ddp.png")] if importlib.util.find_spec("matplotlib") else []
-        out, err = main_ok("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--rounds", 1, "--steps", 1,
-                           "--warmup", 1, "--variants", "local,torch,zero2,fsdp:bf16,fsdp2", *plot)
+        p = run("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--rounds", 1, "--steps", 1,
+                "--warmup", 1, "--variants", "local,torch,zero2,fsdp:bf16,fsdp2", *plot)
+        out, err = p.stdout, p.stderr
         assert not plot or os.path.getsize(plot[1]) > 0, out + err
+        assert "  group 1 of 1: local (no comm), torch DDP, ZeRO-2, FSDP bf16 compute, torch FSDP2" in out, out
     assert "benchmark: 5 variants x 1 round; --variants narrows it" in out, out
     for label in ("local (no comm)", "torch DDP", "ZeRO-2", "FSDP bf16 compute", "torch FSDP2"):
         row = next((line for line in out.splitlines() if line.startswith(label + "  ")), label)
