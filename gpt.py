@@ -447,11 +447,15 @@ class MasterWeights:
                 self.low.append(module.weight)
         self.own = [p for p in model.parameters() if p.dtype == torch.float32]  # their own masters
         self.optimizer = adamw(self.masters + self.own, lr, weight_decay, betas)
-        self.param_groups, self.defaults, self.state = (self.optimizer.param_groups, self.optimizer.defaults,
-                                                        self.optimizer.state)
+        self.param_groups = self.optimizer.param_groups  # train_step sets each group's lr here
+        self.defaults = self.optimizer.defaults
+        self.state = self.optimizer.state
+        self.grad_scale = None  # what clip_gradients sets on a fused AdamW; here it would reach no kernel
 
     @torch.no_grad()
     def step(self):
+        if self.grad_scale is not None:  # said, not silently ignored
+            raise ValueError("MasterWeights does not clip gradients yet: train with grad_clip=0")
         torch._foreach_copy_([m.grad for m in self.masters], [w.grad for w in self.low])  # bf16 -> fp32
         self.optimizer.step()
         torch._foreach_copy_(self.low, self.masters)  # fp32 -> bf16, rounded to nearest as autocast rounds
