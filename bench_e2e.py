@@ -528,7 +528,7 @@ GROUPS = ("matmul", "attention", "cross-entropy", "normalization", "element-wise
 def category(name):
     """A kernel's or op's group, by its name (Inductor names a fused kernel after its ops)."""
     n = name.lower()
-    if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "attn")):
+    if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "attn", "cudnn")):  # cuDNN: SDPA's helpers too
         return "attention"
     if any(s in n for s in ("adam", "multi_tensor")):
         return "optimizer"

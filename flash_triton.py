@@ -13,6 +13,7 @@ This file imports nothing from the repository: copy it and it runs.
     from flash_triton import FlashAttention, flash_attention
     o = FlashAttention.apply(q, k, v, True)        # (batch, seq, d), (batch, heads, seq, d), ...
     o = flash_attention(q, k, v, causal=True)      # the same, as a plain function
+    y = flash_attention_qkv(qkv, n_head)           # GPT-2's (B, S, 3C) projection in, (B, S, C) out, causal
 """
 
 import argparse
@@ -115,9 +116,9 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, skn, svn, offs_m, lo, hi, Nk, qk_scale,
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, L, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, H, Nq, Nk, qk_scale,
-                CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                PRECISION: tl.constexpr, TMA: tl.constexpr):
+def _attn_fwd_kernel(Q, K, V, O, L, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, H, Nq, Nk, qk_scale,
+                     CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PRECISION: tl.constexpr, TMA: tl.constexpr):
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # causal: the unmasked stage ends on a key-tile boundary
     # Under torch.compile, Inductor launches these kernels and types Python floats as fp64; fp64
     # scales would turn the whole softmax fp64 (and tl.dot's fp32 accumulator a type error).
@@ -175,12 +176,12 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, skn, svn, offs_m, lo, hi, Nk, qk_sca
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, O, DO, L, Delta, DQ, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-               sdb, sdh, sdn, H, Nq, Nk, qk_scale, scale,
-               CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               DIAG: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+def _attn_dq_kernel(Q, K, V, O, DO, L, Delta, DQ, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+                    sdb, sdh, sdn, sgb, sgh, sgn, H, Nq, Nk, qk_scale, scale,
+                    CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DIAG: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     tl.static_assert(BLOCK_M % BLOCK_N == 0 and BLOCK_M % DIAG == 0)  # key slices tile the query tile
-    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # see _fwd_kernel
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # see _attn_fwd_kernel
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     if CAUSAL:  # as in the forward: the longest query tiles first
@@ -212,7 +213,8 @@ def _dq_kernel(Q, K, V, O, DO, L, Delta, DQ, sqb, sqh, sqn, skb, skh, skn, svb, 
                        CAUSAL, True, D, BLOCK_N, PRECISION, TMA)
     dq = _dq_inner(dq, q, do, lse2, delta, Kt, Vt, skn, svn, offs_m, 0, full_end, Nk, qk_scale,
                    CAUSAL, False, D, BLOCK_N, PRECISION, TMA)
-    tl.store(DQ + bh * Nq * D + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=rows)
+    dq_ptrs = DQ + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_d[None, :]  # in q's layout (_grad_like)
+    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=rows)
 
 
 @triton.jit
@@ -241,12 +243,12 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, sqn, sdn, offs_n, lo, hi, Nq, qk_
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
-                 sdb, sdh, sdn, H, Nq, Nk, qk_scale, scale,
-                 CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DIAG: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+def _attn_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
+                      sdb, sdh, sdn, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, qk_scale, scale,
+                      CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DIAG: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     tl.static_assert(BLOCK_N % BLOCK_M == 0 and BLOCK_N % DIAG == 0)  # query slices tile the key tile
-    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # see _fwd_kernel
+    qk_scale, scale = tl.cast(qk_scale, tl.float32), tl.cast(scale, tl.float32)  # see _attn_fwd_kernel
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     Q += b * sqb + h * sqh
@@ -276,9 +278,10 @@ def _dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, sqb, sqh, sqn, skb, skh, skn, sv
                          qk_scale, CAUSAL, False, D, BLOCK_M, PRECISION, TMA)
     dk, dv = _dkdv_inner(dk, dv, k, v, Qt, DOt, L, Delta, sqn, sdn, offs_n, tl.maximum(full_start, full_end),
                          Nq, Nq, qk_scale, CAUSAL, True, D, BLOCK_M, PRECISION, TMA)
-    out = bh * Nk * D + offs_n[:, None] * D + offs_d[None, :]  # dK, dV are contiguous (B, H, Nk, D)
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=rows)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=rows)
+    dk_ptrs = DK + b * sgkb + h * sgkh + offs_n[:, None] * sgkn + offs_d[None, :]  # in k's and v's layouts
+    dv_ptrs = DV + b * sgvb + h * sgvh + offs_n[:, None] * sgvn + offs_d[None, :]
+    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=rows)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=rows)
 
 # takeaway: the backward recomputes P from L, and each gradient has one owner: no atomics, deterministic.
 
@@ -293,7 +296,7 @@ TMA_HEAD_DIMS = (128,)  # tiles load through Hopper's tensor-memory accelerator 
 # fp32: twice the shared memory, exact dots on CUDA cores; small interpreter tiles cross many boundaries
 FP32_TILES = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
 INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
-KERNELS = {"fwd": _fwd_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
+KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_dkdv_kernel, "dq": _attn_dq_kernel}
 
 
 # Triton's kernel[grid](...) derives, at every call, what it specializes on (each integer's value 1 or
@@ -365,26 +368,64 @@ def _as_4d(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _grad_like(t):
+    # A gradient laid out as its input: the model's q, k and v are head-transposed views of one (B, S, 3, H, D)
+    # projection, so their gradients go to (B, S, H, D) memory, where autograd's transpose back to (B, S, H*D) is
+    # a view; contiguous (B, H, S, D) gradients would each be copied there by a transposing kernel.
+    B, H, S, D = t.shape
+    if H > 1 and t.stride(1) < t.stride(2):  # heads inside tokens
+        return t.new_empty(B, S, H, D).transpose(1, 2)
+    return t.new_empty(B, H, S, D)
+
+
+def _forward(q4, k4, v4, causal, scale, precision):
+    """O in (B, S, H, D) memory seen as (B, H, S, D) (the model's o.transpose(1, 2).reshape(B, S, H*D) is free),
+    and the fp32 logsumexp L, natural log like torch.logsumexp."""
+    B, H, Nq, D = q4.shape
+    o = torch.empty(B, Nq, H, D, device=q4.device, dtype=q4.dtype).transpose(1, 2)
+    lse = torch.empty(B, H, Nq, device=q4.device, dtype=torch.float32)
+    _launch("fwd", Nq, B * H, (q4, k4, v4, o, lse, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3],
+                               *o.stride()[:3], H, Nq, k4.shape[2], scale * LOG2E), q4.dtype,
+            CAUSAL=causal, D=D, PRECISION=precision, TMA=_use_tma(q4, k4, v4))
+    return o, lse
+
+
+def _backward(q4, k4, v4, o4, do4, lse, dq, dk, dv, causal, scale, precision):
+    """Writes dQ, dK, dV into the (B, H, S, D) tensors given, whatever their strides (last dimension contiguous)."""
+    B, H, Nq, D = q4.shape
+    Nk = k4.shape[2]
+    delta = torch.empty(B, H, Nq, device=q4.device, dtype=torch.float32)
+    qkv_strides = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3])
+    tail = (H, Nq, Nk, scale * LOG2E, scale)
+    meta = dict(CAUSAL=causal, D=D, PRECISION=precision, TMA=_use_tma(q4, k4, v4, do4))
+    # dQ first: it also writes D = rowsum(dO * O), which the dK/dV kernel reads. No atomics.
+    _launch("dq", Nq, B * H, (q4, k4, v4, o4, do4, lse, delta, dq, *qkv_strides, *o4.stride()[:3],
+                              *do4.stride()[:3], *dq.stride()[:3], *tail), q4.dtype, **meta)
+    _launch("dkdv", Nk, B * H, (q4, k4, v4, do4, lse, delta, dk, dv, *qkv_strides, *do4.stride()[:3],
+                                *dk.stride()[:3], *dv.stride()[:3], *tail), q4.dtype, **meta)
+
+
+def _precision(q, precision):
+    # only fp32 dots have a choice; 16-bit inputs always take the tensor cores' native path. Reading torch's
+    # setting only for fp32 keeps torch.compile's graph whole.
+    if q.dtype != torch.float32:
+        return "tf32"
+    if precision is None:
+        return torch_fp32_precision()
+    return precision
+
+
 class FlashAttention(torch.autograd.Function):
     """The Triton kernels as an autograd op, apply(q, k, v, is_causal=False, scale=None, precision=None) on
     (..., seq, d) tensors. Saves q, k, v, O and the fp32 logsumexp L (q's shape less its last dimension)."""
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, scale=None, precision=None):
-        if precision is None:  # only fp32 dots read it; skipping the read keeps torch.compile's graph whole
-            precision = torch_fp32_precision() if q.dtype == torch.float32 else "ieee"
-        check_inputs(q, k, v, is_causal, precision)
-        # only fp32 dots have a choice; 16-bit inputs always take the tensor cores' native path
-        precision = precision if q.dtype == torch.float32 else "tf32"
+        check_inputs(q, k, v, is_causal, precision or "ieee")  # None: torch's setting, read next (fp32 only)
+        precision = _precision(q, precision)
         q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-        B, H, Nq, D = q4.shape
-        scale = D**-0.5 if scale is None else scale
-        # O in (B, S, H, D) memory, seen as (B, H, S, D): the model's o.transpose(1, 2).reshape(B, S, H*D) is free
-        o = torch.empty(B, Nq, H, D, device=q.device, dtype=q.dtype).transpose(1, 2)
-        lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)  # natural log, like torch.logsumexp
-        _launch("fwd", Nq, B * H, (q4, k4, v4, o, lse, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3],
-                                   *o.stride()[:3], H, Nq, k4.shape[2], scale * LOG2E), q.dtype,
-                CAUSAL=is_causal, D=D, PRECISION=precision, TMA=_use_tma(q4, k4, v4))
+        scale = q4.shape[-1] ** -0.5 if scale is None else scale
+        o, lse = _forward(q4, k4, v4, is_causal, scale, precision)
         if q.dim() != 4:  # (a view costs microseconds of Python, which a short kernel notices)
             o, lse = o.view(q.shape), lse.view(q.shape[:-1])
         ctx.save_for_backward(q, k, v, o, lse)
@@ -395,21 +436,49 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         q4, k4, v4, o4, do4 = map(_as_4d, (q, k, v, o, do))
-        B, H, Nq, D = q4.shape
-        Nk, scale = k4.shape[2], ctx.scale
-        delta = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
-        dq, dk, dv = q4.new_empty(q4.shape), k4.new_empty(k4.shape), v4.new_empty(v4.shape)  # contiguous
-        qkv_strides = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3])
-        tail = (H, Nq, Nk, scale * LOG2E, scale)
-        meta = dict(CAUSAL=ctx.causal, D=D, PRECISION=ctx.precision, TMA=_use_tma(q4, k4, v4, do4))
-        # dQ first: it also writes D = rowsum(dO * O), which the dK/dV kernel reads. No atomics.
-        _launch("dq", Nq, B * H, (q4, k4, v4, o4, do4, lse, delta, dq, *qkv_strides, *o4.stride()[:3],
-                                  *do4.stride()[:3], *tail), q.dtype, **meta)
-        _launch("dkdv", Nk, B * H, (q4, k4, v4, do4, lse, delta, dk, dv, *qkv_strides, *do4.stride()[:3], *tail),
-                q.dtype, **meta)
+        dq, dk, dv = _grad_like(q4), _grad_like(k4), _grad_like(v4)
+        _backward(q4, k4, v4, o4, do4, lse, dq, dk, dv, ctx.causal, ctx.scale, ctx.precision)
         if q.dim() != 4:
             dq, dk, dv = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
         return dq, dk, dv, None, None, None
+
+
+def _heads(qkv, n_head):
+    # (B, S, 3*H*D) -> q, k, v, each (B, H, S, D): views of where the projection wrote them, nothing copied
+    B, S, width = qkv.shape
+    return qkv.view(B, S, 3, n_head, width // (3 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+class FlashAttentionQKV(torch.autograd.Function):
+    """apply(qkv, n_head, is_causal=True, scale=None): attention from a (B, S, 3*C) projection (q, k, v side by
+    side, as GPT-2's c_attn writes them) to (B, S, C). The kernels read q, k and v where they lie, and backward
+    writes their three gradients into one (B, S, 3*C) tensor: split into heads on the way in and concatenated on
+    the way back out, they would each cost a copy in autograd."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head, is_causal=True, scale=None):
+        if qkv.dim() != 3 or qkv.shape[-1] % (3 * n_head):
+            raise ValueError(f"qkv must be (batch, seq, 3 * heads * d) with {n_head} heads; got {tuple(qkv.shape)}")
+        qkv = qkv if qkv.is_contiguous() else qkv.contiguous()
+        q, k, v = _heads(qkv, n_head)
+        check_inputs(q, k, v, is_causal, "ieee")
+        precision = _precision(q, None)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        o, lse = _forward(q, k, v, is_causal, scale, precision)
+        ctx.save_for_backward(qkv, o, lse)
+        ctx.n_head, ctx.causal, ctx.scale, ctx.precision = n_head, is_causal, scale, precision
+        B, S, H, D = o.transpose(1, 2).shape
+        return o.transpose(1, 2).view(B, S, H * D)  # (B, S, C): o's memory is (B, S, H, D) already
+
+    @staticmethod
+    def backward(ctx, dy):
+        qkv, o, lse = ctx.saved_tensors
+        B, H, S, D = o.shape
+        do = _as_4d(dy.reshape(B, S, H, D).transpose(1, 2))  # (B, H, S, D), a view of dy when it is contiguous
+        dqkv = torch.empty_like(qkv)  # (B, S, 3*C), contiguous like qkv
+        _backward(*_heads(qkv, ctx.n_head), o, do, lse, *_heads(dqkv, ctx.n_head), ctx.causal, ctx.scale,
+                  ctx.precision)
+        return dqkv, None, None, None
 
 
 def torch_fp32_precision():  # newer torch has fp32_precision, and reading allow_tf32 there warns
@@ -447,6 +516,12 @@ def check_inputs(q, k, v, causal, precision=None):
                          "the kernels run on CUDA GPUs")
     if precision not in ("ieee", "tf32"):
         raise ValueError(f"precision must be 'ieee' (exact fp32 dot) or 'tf32', got '{precision}'")
+
+
+def flash_attention_qkv(qkv, n_head, causal=True, scale=None):
+    """flash_attention from GPT-2's (B, S, 3*C) q, k, v projection to its (B, S, C) output, heads side by side;
+    fp32 inputs use torch's fp32 matmul setting."""
+    return FlashAttentionQKV.apply(qkv, n_head, causal, scale)
 
 
 def flash_attention(q, k, v, causal=False, scale=None, precision=None):

@@ -120,6 +120,14 @@ def triton_attention(q, k, v):
     return flash_attention(q, k, v, causal=True)
 
 
+def triton_attention_qkv(qkv, n_head):
+    """The same kernels on c_attn's whole (B, T, 3C) output, returning (B, T, C): the model's path for --attn
+    triton. They read q, k, v where the projection wrote them and write its gradient whole, where the split into
+    heads below would cost autograd a concatenating copy of the three gradients every layer and step."""
+    from flash_triton import flash_attention_qkv
+    return flash_attention_qkv(qkv, n_head, causal=True)
+
+
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                  "math": "MATH"}
 ATTENTION = {  # --attn NAME
@@ -141,12 +149,16 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.attend = ATTENTION[config.attn]  # picked here once, not looked up every forward
+        self.whole_qkv = config.attn == "triton"  # our kernels take the projection whole (triton_attention_qkv)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x):
         B, T, C = x.shape  # batch, time (tokens), channels (n_embd)
-        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
+        qkv = self.c_attn(x)  # (B, T, 3C)
+        if self.whole_qkv:
+            return self.c_proj(triton_attention_qkv(qkv, self.n_head))  # (B, T, 3C) -> (B, T, C), nothing copied
+        q, k, v = qkv.split(C, dim=2)  # each (B, T, C)
         H = self.n_head
         q = q.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D): a head is a batch of its own to the matmuls
         k = k.view(B, T, H, C // H).transpose(1, 2)

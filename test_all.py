@@ -1408,6 +1408,48 @@ def flash_check(device, cases, shapes):
                 assert max(errs) < tol, (fn.__name__, tma_dims, dtype, shape_q, shape_k, causal, errs)
     ft.TMA_HEAD_DIMS = default
 
+def flash_grads_in_model_layout(ft):
+    """q, k, v as gpt.py makes them (head-transposed views of one (B, S, 3C) projection): their gradients come back
+    in (B, S, H, D) memory, where the transposes back to (B, S, C) are views, and the projection's gradient is the
+    reference's."""
+    B, S, H, D = 2, 40, 3, 16
+    qkv = torch.randn(B, S, 3 * H * D, generator=torch.Generator().manual_seed(2))
+    do = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for fn in (ft.FlashAttention, ft.FlashAttentionTorch):
+        leaf = qkv.clone().requires_grad_()
+        q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in leaf.split(H * D, dim=2))  # (B, H, S, D) views
+        o = fn.apply(q, k, v, True, None, "ieee")
+        grads[fn] = torch.autograd.grad(o, (q, k, v, leaf), do)
+    dq, dk, dv, dqkv = grads[ft.FlashAttention]
+    assert all(g.transpose(1, 2).is_contiguous() for g in (dq, dk, dv)), [g.stride() for g in (dq, dk, dv)]
+    expected = grads[ft.FlashAttentionTorch][3]
+    assert rel_err(dqkv, expected) < 1e-5, rel_err(dqkv, expected)
+    # the model's path: the whole projection in, (B, S, C) out, its gradient written whole
+    leaf = qkv.clone().requires_grad_()
+    y = ft.flash_attention_qkv(leaf, H)
+    o = ft.FlashAttentionTorch.apply(*(t.view(B, S, H, D).transpose(1, 2) for t in qkv.split(H * D, 2)), True,
+                                     None, "ieee")
+    assert y.shape == (B, S, H * D) and rel_err(y, o.transpose(1, 2).reshape(B, S, H * D)) < 1e-5
+    (dqkv_whole,) = torch.autograd.grad(y, leaf, do.transpose(1, 2).reshape(B, S, H * D))
+    assert dqkv_whole.is_contiguous() and rel_err(dqkv_whole, expected) < 1e-5, rel_err(dqkv_whole, expected)
+    assert_raises("3 * heads * d", ft.flash_attention_qkv, qkv[..., :-1], H)
+    # and in the model: --attn triton's blocks (whole projection) against the same weights with --attn math
+    config = gpt.make_config("tiny", attn="triton")
+    torch.manual_seed(0)
+    model = gpt.GPT(config)
+    idx = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(4))
+    losses = {}
+    for attn in ("triton", "math"):
+        for block in model.h:
+            block.attn.attend, block.attn.whole_qkv = gpt.ATTENTION[attn], attn == "triton"
+        model.zero_grad()
+        _, loss = model(idx, idx)
+        loss.backward()
+        losses[attn] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
+    assert rel_err(losses["triton"][0], losses["math"][0]) < 1e-5
+    assert max(rel_err(a, b) for a, b in zip(losses["triton"][1], losses["math"][1])) < 1e-4
+
 def flash_interpreted():
     # head dims 16/32/64, ragged lengths, Nq != Nk, 3-, 4- and 5-D, causal and not; TMA loads (D128 only by default)
     # at every head dim too: the interpreter runs them as masked loads
@@ -1415,6 +1457,7 @@ def flash_interpreted():
     flash_check("cpu", [((), torch.float32, 1e-5), ((), torch.float16, 5e-3), ((16, 32, 64), torch.float16, 5e-3)],
                 [((1, 2, 37, 16), (1, 2, 37, 16), True), ((2, 40, 32), (2, 100, 32), False),
                  ((1, 1, 100, 64), (1, 1, 100, 64), True), ((2, 1, 2, 33, 16), (2, 1, 2, 33, 16), False)])
+    flash_grads_in_model_layout(ft)
     out, err = main_ok("flash_triton.py")  # without a GPU: the kernels against the PyTorch reference
     assert out.strip().endswith(": ok"), out + err
     out, err = main_ok("flash_triton.py", "--shapes", "1x2x64x16,1x1x40x64")  # --shapes: the shapes checked
