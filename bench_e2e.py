@@ -126,8 +126,8 @@ def held_bytes(bench):  # what a built model keeps between steps: weights and Ad
         return 0
     state = [t for s in bench.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     masters = []
-    if isinstance(bench.optimizer, MasterWeights):  # fp32 masters and their gradients, beside the bf16 weights
-        masters = [t for m in bench.optimizer.masters for t in (m, m.grad)]
+    if isinstance(bench.optimizer, MasterWeights):  # fp32 masters and their moments, beside the bf16 weights
+        masters = [*bench.optimizer.masters, *(t for pair in bench.optimizer.moments for t in pair)]
     return sum(t.numel() * t.element_size() for t in [*bench.model.parameters(), *state, *masters])
 
 def timed(variants, device, plan):
@@ -194,7 +194,7 @@ def run_ladder(config, B, T, device, plan, plot=None, plt=None):
         print(f"'{HEADLINE}' is train.py's headline configuration: python train.py --vocab 50304 --bf16 --compile")
     if stats.get(MASTER_RUNG):
         print(f"'{MASTER_RUNG}': gpt.MasterWeights, the blocks' Linear weights bf16 in the model and fp32 in the "
-              "optimizer, which copies them over after its step; not in train.py yet (no clipping, DDP or checkpoints)")
+              "optimizer, whose AdamW kernel writes the bf16 copy; not in train.py (no clipping, DDP or checkpoints)")
     if stats.get(FP8_RUNG):
         print(f"'{FP8_RUNG}': gpt.use_fp8(model, min_width=0), all four Linears of each block; by default use_fp8 "
               f"(train.py --fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)")

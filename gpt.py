@@ -433,47 +433,94 @@ def adamw(params, lr, weight_decay=0.1, betas=(0.9, 0.95)):
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=all(p.is_cuda for p in params))
 
 
+@triton.jit
+def _adamw_to_bf16(master_ptr, grad_ptr, m_ptr, v_ptr, low_ptr, n, lr, weight_decay, beta1, beta2, eps, step_size,
+                   bias2_sqrt, BLOCK: tl.constexpr):
+    # AdamW on a stretch of one fp32 master weight, from its bf16 gradient, writing the bf16 copy the model reads:
+    # 28 bytes a parameter (read 4 + 2 + 4 + 4, write 4 + 4 + 4 + 2), where autocast's cast of the weight in
+    # forward, of its gradient in backward and AdamW between them move 40. torch's AdamW arithmetic, in its order.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    p = tl.load(master_ptr + offs, mask=inside)
+    g = tl.load(grad_ptr + offs, mask=inside).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=inside)
+    v = tl.load(v_ptr + offs, mask=inside)
+    p = p * (1.0 - lr * weight_decay)  # decoupled weight decay
+    m = m + (1.0 - beta1) * (g - m)  # torch's lerp for a weight below 0.5
+    v = v * beta2 + (1.0 - beta2) * g * g
+    p = p - step_size * (m / (tl.sqrt(v) / bias2_sqrt + eps))
+    tl.store(master_ptr + offs, p, mask=inside)
+    tl.store(m_ptr + offs, m, mask=inside)
+    tl.store(v_ptr + offs, v, mask=inside)
+    tl.store(low_ptr + offs, p.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)  # as autocast rounds
+
+
+def adamw_to_bf16(master, grad, m, v, low, lr, weight_decay, beta1, beta2, eps, step):
+    """One AdamW step of an fp32 master (and its moments m, v) from a bf16 gradient; the result also into the bf16
+    weight `low`. The kernel on a GPU; on a CPU the same arithmetic in PyTorch (torch's AdamW, op for op)."""
+    step_size = lr / (1 - beta1**step)
+    bias2_sqrt = math.sqrt(1 - beta2**step)
+    if master.is_cuda:
+        n = master.numel()
+        _adamw_to_bf16[(triton.cdiv(n, 4096),)](master, grad, m, v, low, n, lr, weight_decay, beta1, beta2, eps,
+                                                step_size, bias2_sqrt, BLOCK=4096, num_warps=8)
+        return
+    g = grad.float()
+    master.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    master.addcdiv_(m, (v.sqrt() / bias2_sqrt).add_(eps), value=-step_size)
+    low.copy_(master)
+
+
 class MasterWeights:
     """Weights cast once, where they change: an optimizer (step, zero_grad, param_groups) for a model whose
     blocks' matmul weights are bf16, with their fp32 masters and AdamW's moments kept here.
 
     Under bf16 autocast every forward casts each fp32 weight to bf16 again, and each backward casts its bf16
-    gradient back to fp32: two small kernels per weight and step, 96 for gpt2's 48 block Linears. Here the
-    model holds the bf16 copy itself (the forward casts nothing) and the step makes two multi-tensor copies:
-    the bf16 gradients into the masters' fp32 gradients before AdamW, the updated masters into the bf16
-    weights after it. The values are autocast's (the same round-to-nearest casts, made once per step instead
-    of once per use), so training matches it bit for bit. The token embedding (tied to the output layer) and
-    every vector stay fp32, as autocast keeps them. Not for DDP or FSDP, gradient clipping or checkpoints:
-    those read model.parameters(), which now holds the bf16 copies."""
+    gradient back: two small kernels per weight and step, 96 for gpt2's 48 block Linears. Here the model holds
+    the bf16 copy itself (the forward casts nothing), and one kernel per weight (adamw_to_bf16) reads the bf16
+    gradient, steps the fp32 master and writes the new bf16 copy. The values are autocast's (the same
+    round-to-nearest casts, made once per step instead of once per use); on a CPU training matches it bit for
+    bit. The token embedding (tied to the output layer) and every vector stay fp32, as autocast keeps them,
+    with torch's AdamW. Not for DDP or FSDP, gradient clipping or checkpoints: those read model.parameters(),
+    which now holds the bf16 copies."""
 
-    def __init__(self, model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
-        self.low, self.masters = [], []
+    def __init__(self, model, lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8):
+        self.low, self.masters, self.moments = [], [], []
         for block in model.h:
             for module in block.modules():
                 if type(module) is not nn.Linear:
                     continue
-                master = module.weight
-                master.grad = torch.zeros_like(master)  # written by the copy before each step
-                module.weight = nn.Parameter(master.detach().to(torch.bfloat16))  # what the forward reads
+                master = module.weight.detach()
+                module.weight = nn.Parameter(master.to(torch.bfloat16))  # what the forward reads
                 self.masters.append(master)
                 self.low.append(module.weight)
+                self.moments.append((torch.zeros_like(master), torch.zeros_like(master)))  # AdamW's m and v
         self.own = [p for p in model.parameters() if p.dtype == torch.float32]  # their own masters
-        self.optimizer = adamw(self.masters + self.own, lr, weight_decay, betas)
-        self.param_groups = self.optimizer.param_groups  # train_step sets each group's lr here
+        self.optimizer = adamw(self.own, lr, weight_decay, betas)
+        self.matrices = {"params": self.low, "lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}
+        self.param_groups = [self.matrices, *self.optimizer.param_groups]  # train_step sets each group's lr
         self.defaults = self.optimizer.defaults
         self.state = self.optimizer.state
+        self.steps = 0
         self.grad_scale = None  # what clip_gradients sets on a fused AdamW; here it would reach no kernel
 
     @torch.no_grad()
     def step(self):
         if self.grad_scale is not None:  # said, not silently ignored
             raise ValueError("MasterWeights does not clip gradients yet: train with grad_clip=0")
-        torch._foreach_copy_([m.grad for m in self.masters], [w.grad for w in self.low])  # bf16 -> fp32
+        self.steps += 1
+        group = self.matrices
+        beta1, beta2 = group["betas"]
+        for master, low, (m, v) in zip(self.masters, self.low, self.moments):
+            if low.grad is not None:
+                adamw_to_bf16(master, low.grad, m, v, low, group["lr"], group["weight_decay"], beta1, beta2,
+                              group["eps"], self.steps)
         self.optimizer.step()
-        torch._foreach_copy_(self.low, self.masters)  # fp32 -> bf16, rounded to nearest as autocast rounds
 
     def zero_grad(self, set_to_none=True):
-        for p in self.low + self.own:  # the masters' gradients are overwritten, never accumulated into
+        for p in self.low + self.own:
             p.grad = None
 
 

@@ -201,6 +201,42 @@ gpt._cross_entropy_rows[(5,)](b, y, loss_b, b.stride(0), gpt.GPT2_VOCAB, 50304, 
 assert (loss_a - loss_b).abs().max() < 1e-5 and (a - b).abs().max() < 1e-6 and b[:, gpt.GPT2_VOCAB:].abs().max() == 0
 print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
 
+def test_adamw_to_bf16_kernel_matches_torch():
+    """MasterWeights' AdamW kernel (CUDA's path; here interpreted) = its PyTorch path, which is torch's AdamW op for
+    op: masters, moments and the bf16 copies over three steps, a ragged last block included."""
+    assert "kernel ok" in run("-c", r"""
+import math, torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
+gen = torch.Generator().manual_seed(0)
+n, lr, wd, b1, b2, eps = 5000, 1e-2, 0.1, 0.9, 0.95, 1e-8
+torch_side = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)]
+kernel_side = [t.clone() for t in torch_side]
+for step in (1, 2, 3):
+    grad = torch.randn(n, generator=gen).to(torch.bfloat16)
+    gpt.adamw_to_bf16(*torch_side[:1], grad, *torch_side[1:], lr, wd, b1, b2, eps, step)
+    master, m, v, low = kernel_side
+    gpt._adamw_to_bf16[(2,)](master, grad, m, v, low, n, lr, wd, b1, b2, eps, lr / (1 - b1**step),
+                             math.sqrt(1 - b2**step), BLOCK=4096)
+for a, b in zip(torch_side[:3], kernel_side[:3]):  # master, m, v: fp32 rounding apart at most
+    assert (a - b).abs().max() <= 1e-6 * a.abs().max(), (a - b).abs().max()
+low, master = kernel_side[3].float(), kernel_side[0]  # the interpreter truncates bf16 casts, the GPU rounds:
+assert ((low - master).abs() <= master.abs() * 2**-7).all()  # the copy within one bf16 step of its master
+print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
+
+@gpu
+def test_adamw_to_bf16_gpu_rounds_as_autocast():
+    """On the GPU the kernel's bf16 copy is its master rounded to nearest, as autocast's cast; the master follows
+    the PyTorch path to fp32 rounding."""
+    gen = torch.Generator().manual_seed(0)
+    n, settings = 3_000_000, (1e-2, 0.1, 0.9, 0.95, 1e-8)
+    cpu = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)]
+    gpu = [t.cuda() for t in cpu]
+    for step in (1, 2, 3):
+        grad = torch.randn(n, generator=gen).to(torch.bfloat16)
+        gpt.adamw_to_bf16(cpu[0], grad, *cpu[1:], *settings, step)
+        gpt.adamw_to_bf16(gpu[0], grad.cuda(), *gpu[1:], *settings, step)
+    assert torch.equal(gpu[3], gpu[0].to(torch.bfloat16))
+    assert all((a - b.cpu()).abs().max() <= 1e-6 * a.abs().max() for a, b in zip(cpu[:3], gpu[:3]))
+
 def attention_matches_naive(impl, device, dtype, tol):
     """A tiny GPT's logits and gradients with attention `impl` = naive attention's; False if impl cannot run here."""
     results = {}
