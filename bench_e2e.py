@@ -1,12 +1,14 @@
 """End-to-end timing of GPT training: where a step's time goes and what each optimization buys.
 
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
-train.py's headline, then FP8 forced onto every block Linear, all rungs in the same rounds of gpt.py's timer (paired
-ratios). --nanogpt times nanoGPT's model.py against the headline the same way. The sweep splits a step into forward,
+train.py's headline, then levers on the headline (bf16 weights kept by the optimizer, our Triton attention, FP8
+forced onto every block Linear), all rungs in the same rounds of gpt.py's timer (paired ratios); --rungs times a
+few. --nanogpt times nanoGPT's model.py against the headline the same way. The sweep splits a step into forward,
 backward and optimizer by model, batch, context and vocabulary; --warmup-table shows what the first steps pay for;
 --profile groups the step's kernels and sets each group against its limit; --nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
+    python bench_e2e.py --ladder --rungs 8,9,10        # the headline and two levers, paired against it
     python bench_e2e.py --nanogpt ../nanoGPT
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
     python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
@@ -42,18 +44,21 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ torch.compile (PDL)", {"compile": True}),  # gpt.compile_model, train.py's compile
           ("+ CUDA graphs", {"graphs": True}),
           ("+ fused linear-CE", {"fused_ce": True}),  # = python train.py --vocab 50304 --bf16 --compile
-          ("+ bf16 weights kept by the optimizer", {"master": True}),  # gpt.MasterWeights: a lever, not in train.py
-          ("+ FP8 block Linears (forced)", {"fp8": True, "master": False}))  # on the headline, not the lever
+          # levers past the headline: each is the headline plus its own change, timed against the headline
+          ("+ bf16 weights kept by the optimizer", {"master": True}),  # gpt.MasterWeights, not in train.py
+          ("+ our Triton attention", {"attn": "triton"}),  # flash_triton.py: train.py --attn triton
+          ("+ FP8 block Linears (forced)", {"fp8": True}))
 FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False,
               "graphs": False, "fused_ce": False, "master": False, "fp8": False}
-HEADLINE, MASTER_RUNG, FP8_RUNG = "+ fused linear-CE", LADDER[-2][0], LADDER[-1][0]
+HEADLINE, MASTER_RUNG, TRITON_RUNG, FP8_RUNG = "+ fused linear-CE", LADDER[-3][0], LADDER[-2][0], LADDER[-1][0]
+HEADLINE_NUMBER = [name for name, _ in LADDER].index(HEADLINE) + 1  # rungs are numbered from 1
 # All rungs live at once, to run in the same rounds: at B=16 T=1024 each gpt2 keeps 1.5 GB of weights and
 # AdamW moments, the fp32 rung's step ~30 GB of activations, the CUDA graph pool ~10 GB: ~55 GB in all.
 
 def skip_reason(change, s, device):
     # TF32 has no CPU equivalent (the rungs after it still run); Inductor's CPU compile takes minutes a rung
     cuda = device.type == "cuda"
-    if not cuda and "tf32" in change:
+    if not cuda and ("tf32" in change or s["attn"] in GPU_ONLY_ATTENTION):
         return "skipped: GPU only"
     if not cuda and s["compile"]:
         return "skipped on the CPU (compiling)"
@@ -149,19 +154,28 @@ def speedup(times, name, base, work=1.0):
     return summarize({"b": [work * ms for ms in times[base]], "n": times[name]}, baseline="n")["b"].vs()
 
 def rungs():
-    settings = dict(FIRST_RUNG)
+    """(name, change, settings): up to the headline each rung adds its change to the rung above; past it, each
+    lever adds its own change to the headline."""
+    settings, past_headline = dict(FIRST_RUNG), False
     for name, change in LADDER:
-        settings = {**settings, **change}
-        yield name, change, settings
+        yield name, change, {**settings, **change}
+        if not past_headline:
+            settings = {**settings, **change}
+        past_headline = past_headline or name == HEADLINE
 
 def ladder_step(config, s, x, y, device):  # a rung's train step, built at its first call (gpt.lazily)
     return partial(run_step, "train", build(config, s, device), x, y)
 
-def run_ladder(config, B, T, device, plan, plot=None, plt=None):
+def run_ladder(config, B, T, device, plan, plot=None, plt=None, chosen=None):
+    """chosen: the rung numbers to time (from 1, as the table lists them); None: all."""
     torch._dynamo.reset()  # the compiled rungs compile here, from scratch
     x, y = batch_of(B, T, device)
+    numbers = {name: i + 1 for i, (name, _) in enumerate(LADDER)}
+    ladder = [(name, change) for name, change in LADDER if chosen is None or numbers[name] in chosen]
     variants, skipped = {}, {}
     for name, change, settings in rungs():
+        if (name, change) not in ladder:
+            continue
         reason = skip_reason(change, settings, device)
         if reason:
             skipped[name] = reason
@@ -176,38 +190,49 @@ def run_ladder(config, B, T, device, plan, plot=None, plt=None):
     stats = summarize(times, peaks=peaks)
     flops = flops_per_token(config, T)  # useful work: vocabulary padding is not counted
     rows, first, prev = [], None, None
-    for name, _ in LADDER:
+    for name, _ in ladder:
         t = stats.get(name)
         if t is None:
-            rows.append([name, skipped.get(name, "OOM")] + ["-"] * 5)
+            rows.append([f"{numbers[name]:>2} {name}", skipped.get(name, "OOM")] + ["-"] * 5)
             continue
         tok_s = B * T / (t.median / 1e3)
-        rows.append([name, t.ms(), f"{tok_s:,.0f}", "-" if prev is None else speedup(times, name, prev),
+        rows.append([f"{numbers[name]:>2} {name}", t.ms(), f"{tok_s:,.0f}",
+                     "-" if prev is None else speedup(times, name, prev),
                      "-" if first is None else speedup(times, name, first), fmt_mfu(mfu(flops * tok_s, device)),
                      "n/a" if t.peak is None else gib(t.peak)])
-        first, prev = first or name, name
+        first = first or name
+        if prev != HEADLINE:  # the levers past the headline are each paired with the headline
+            prev = name
     print(f"\nspeed ladder, train steps of {B}x{T} tokens, {plan.rounds} rounds of {plan.steps} steps "
-          "(speed-ups paired: median of per-round ratios, min-max)")
-    print_table(["rung", "ms/step, median (min-max)", "tokens/s", "speed-up vs previous", "vs first rung",
+          "(speed-ups paired: median of per-round ratios, min-max; the levers past the headline against it)")
+    print_table(["# rung", "ms/step, median (min-max)", "tokens/s", "speed-up vs previous", "vs first rung",
                  "MFU", "peak alloc (GiB)"], rows)
     if (config.n_layer, config.n_embd, B, T) == (12, 768, 16, 1024) and stats.get(HEADLINE):
         print(f"'{HEADLINE}' is train.py's headline configuration: python train.py --vocab 50304 --bf16 --compile")
     if stats.get(MASTER_RUNG):
         print(f"'{MASTER_RUNG}': gpt.MasterWeights, the blocks' Linear weights bf16 in the model and fp32 in the "
               "optimizer, whose AdamW kernel writes the bf16 copy; not in train.py (no clipping, DDP or checkpoints)")
+    if stats.get(TRITON_RUNG):
+        print(f"'{TRITON_RUNG}': flash_triton.py's kernels on c_attn's whole output instead of SDPA (cuDNN here): "
+              "python train.py --vocab 50304 --bf16 --compile --attn triton")
     if stats.get(FP8_RUNG):
         print(f"'{FP8_RUNG}': gpt.use_fp8(model, min_width=0), all four Linears of each block; by default use_fp8 "
               f"(train.py --fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)")
     if plt is not None and first is not None:
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-        plot_ladder(plt, plot, [n for n, _ in LADDER if stats.get(n)], stats, f"train step, B={B} T={T}, {where}")
+        plot_ladder(plt, plot, [n for n, _ in ladder if stats.get(n)], stats, f"train step, B={B} T={T}, {where}")
     if first is None:
         return "ladder: no rung ran"
-    end = HEADLINE if stats.get(HEADLINE) else prev  # the summary ends on train.py's configuration
-    fp8 = f"; {FP8_RUNG}: {speedup(times, FP8_RUNG, end)} its speed" if stats.get(FP8_RUNG) and end != prev else ""
+    # the summary ends on train.py's configuration (or the last rung timed before it), then each lever against it
+    levers = ""
+    if stats.get(HEADLINE):
+        names = [name for name, _ in ladder]
+        past = [name for name in names[names.index(HEADLINE) + 1:] if stats.get(name)]
+        levers = "".join(f"; {name}: {speedup(times, name, HEADLINE)} its speed" for name in past)
+    end = prev
     return (f"ladder: {stats[first].median:.1f} -> {stats[end].median:.1f} ms per step ({end.lstrip('+ ')}), "
             f"{speedup(times, end, first)} the speed of the first rung, "
-            f"{B * T / (stats[end].median / 1e3):,.0f} tokens/s{fp8}")
+            f"{B * T / (stats[end].median / 1e3):,.0f} tokens/s{levers}")
 
 def plot_ladder(plt, path, names, stats, title):
     ms = [stats[n].median for n in names]
@@ -690,6 +715,8 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ladder", action="store_true", help="the GPT-2 speed ladder, every rung in the same rounds")
     p.add_argument("--plot", help="with --ladder: draw ms per rung into this PNG (needs matplotlib)")
+    p.add_argument("--rungs", type=int_list(1, len(LADDER)), help=f"with --ladder: time only these rungs, by "
+                   f"the table's numbers (1-{len(LADDER)}; a lever past the headline needs it, {HEADLINE_NUMBER})")
     p.add_argument("--nanogpt", metavar="PATH", help="time nanoGPT's model.py (a checkout of karpathy/nanoGPT) "
                    "against train.py's headline, in the same rounds (default 30 rounds of 3 steps)")
     p.add_argument("--warmup-table", action="store_true", help="step 1, 2, 3 and the settled step (mean ± std of "
@@ -734,6 +761,11 @@ def check_combinations(args, n_models, cpu):
         fail("--ladder sets precision, attention, vocab and compile itself, and cannot be profiled; drop those flags")
     if args.plot and not args.ladder:
         fail("--plot draws the ladder; add --ladder")
+    if args.rungs and not args.ladder:
+        fail("--rungs picks rungs of the ladder; add --ladder")
+    if args.rungs and max(args.rungs) > HEADLINE_NUMBER and HEADLINE_NUMBER not in args.rungs:
+        fail(f"--rungs {','.join(map(str, args.rungs))}: the levers past the headline are timed against it; "
+             f"add {HEADLINE_NUMBER}")
     if args.nanogpt and (args.ladder or tuned or not single):
         fail("--nanogpt compares one --model, --batch and --seq at train.py's headline settings; drop the other flags")
     if (args.ladder or args.nanogpt) and args.warmup == 0:
@@ -836,7 +868,7 @@ def main(argv=None):
             print("\n" + run_nanogpt(args.nanogpt, module, config, B, T, device, plan))
             return
         if args.ladder:
-            print("\n" + run_ladder(config, B, T, device, plan, args.plot, plt))
+            print("\n" + run_ladder(config, B, T, device, plan, args.plot, plt, args.rungs))
             return
         if args.warmup_table:
             what = "the warm-up table"

@@ -749,10 +749,18 @@ def test_bench_e2e_ladder_cpu():
     png = os.path.join(tempfile.mkdtemp(), "ladder.png")
     code, out, err = call_main("bench_e2e.py", "--device", "cpu", "--ladder", "--batch", 1, "--seq", 16, "--rounds", 2,
                                "--plot", png)
-    rows = [line for line in out.splitlines() if line.startswith(tuple(name for name, _ in bench_e2e.LADDER))]
-    expect = [(0, 0), (1, 0), (0, 2), (0, 2), (0, 2), (1, 0), (1, 0), (1, 0), (1, 0), (1, 0)]  # (skipped, speed-ups)
+    numbered = tuple(f"{i + 1:>2} {name}" for i, (name, _) in enumerate(bench_e2e.LADDER))
+    rows = [line for line in out.splitlines() if line.startswith(numbered)]
+    expect = [(0, 0), (1, 0), (0, 2), (0, 2), (0, 2)] + [(1, 0)] * 6  # (skipped, speed-ups): GPU-only, compiled
     assert code == 0 and [(r.count("skipped"), r.count("x (")) for r in rows] == expect, err + out
     assert out.strip().splitlines()[-1].startswith("ladder:") and bench_e2e.starts_with(b"\x89PNG\r\n\x1a\n")(png)
+    code, out, err = call_main("bench_e2e.py", "--device", "cpu", "--ladder", "--batch", 1, "--seq", 16, "--rounds", 2,
+                               "--rungs", "4,1")  # a few rungs, in the ladder's order, paired among themselves
+    rows = [line for line in out.splitlines() if line.startswith(numbered)]
+    assert code == 0 and [r[:2] for r in rows] == [" 1", " 4"] and rows[1].count("x (") == 2, out
+    settings = {name: s for name, _, s in bench_e2e.rungs()}
+    for name, change in bench_e2e.LADDER[bench_e2e.HEADLINE_NUMBER:]:  # each lever: the headline and its change
+        assert settings[name] == {**settings[bench_e2e.HEADLINE], **change}, name
     cpu, config = torch.device("cpu"), gpt.make_config("tiny")
     losses = rung_losses(config, *bench_e2e.batch_of(2, 16, cpu), cpu)
     assert len(losses) == 4 and all(abs(v - losses[0]) < 0.02 * losses[0] for v in losses), losses
@@ -835,6 +843,8 @@ def test_bench_e2e_bad_input():
         (["--ladder", "--plot", j(d, "missing", "p.png")], "does not exist"),
         ("--ladder --bf16", "sets precision"),
         ("--ladder --warmup 0", "--warmup 1 or more"),
+        ("--rungs 3", "add --ladder"), ("--ladder --rungs 9,10", "add 8"), ("--ladder --rungs 12", "at most 11"),
+        ("--ladder --rungs 0", "at least 1"),
         ("--warmup-table --warmup 1", "drop --warmup and --rounds"),
         ("--warmup-table --rounds 3", "drop --warmup and --rounds"),
         ("--warmup-table --batch 1,2", "--warmup-table times one --model"),
