@@ -1,14 +1,15 @@
 """End-to-end timing of GPT training: where a step's time goes and what each optimization buys.
 
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
-train.py's headline, then levers on the headline (bf16 weights kept by the optimizer, our Triton attention, FP8
-forced onto every block Linear), all rungs in the same rounds of gpt.py's timer (paired ratios); --rungs times a
-few. --nanogpt times nanoGPT's model.py against the headline the same way. The sweep splits a step into forward,
-backward and optimizer by model, batch, context and vocabulary; --warmup-table shows what the first steps pay for;
---profile groups the step's kernels and sets each group against its limit; --nvtx names the phases for Nsight Systems.
+train.py's headline, then levers on the headline (bf16 weights kept by the optimizer, our Triton attention, GELU
+inside the MLP's matmuls, FP8 forced onto every block Linear), all rungs in the same rounds of gpt.py's timer
+(paired ratios); --rungs times a few. --nanogpt times nanoGPT's model.py against the headline the same way. The
+sweep splits a step into forward, backward and optimizer by model, batch, context and vocabulary; --warmup-table
+shows what the first steps pay for; --profile groups the step's kernels and sets each group against its limit;
+--nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
-    python bench_e2e.py --ladder --rungs 8,9,10        # the headline and two levers, paired against it
+    python bench_e2e.py --ladder --rungs 8,9,10,11     # the headline and three levers, paired against it
     python bench_e2e.py --nanogpt ../nanoGPT
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
     python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
@@ -47,10 +48,12 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           # levers past the headline: each is the headline plus its own change, timed against the headline
           ("+ bf16 weights kept by the optimizer", {"master": True}),  # gpt.MasterWeights, not in train.py
           ("+ our Triton attention", {"attn": "triton"}),  # flash_triton.py: train.py --attn triton
+          ("+ GELU inside the MLP's matmuls", {"gelu_mm": True}),  # gpt.GeluMLP
           ("+ FP8 block Linears (forced)", {"fp8": True}))
 FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False,
-              "graphs": False, "fused_ce": False, "master": False, "fp8": False}
-HEADLINE, MASTER_RUNG, TRITON_RUNG, FP8_RUNG = "+ fused linear-CE", LADDER[-3][0], LADDER[-2][0], LADDER[-1][0]
+              "graphs": False, "fused_ce": False, "master": False, "gelu_mm": False, "fp8": False}
+HEADLINE, FP8_RUNG = "+ fused linear-CE", LADDER[-1][0]
+MASTER_RUNG, TRITON_RUNG, GELU_RUNG = (name for name, _ in LADDER[-4:-1])
 HEADLINE_NUMBER = [name for name, _ in LADDER].index(HEADLINE) + 1  # rungs are numbered from 1
 # All rungs live at once, to run in the same rounds: at B=16 T=1024 each gpt2 keeps 1.5 GB of weights and
 # AdamW moments, the fp32 rung's step ~30 GB of activations, the CUDA graph pool ~10 GB: ~55 GB in all.
@@ -92,7 +95,7 @@ class Plan:
     compile: bool = False
 
 def build(config, s, device):
-    config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"])
+    config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"], gelu_in_matmul=s["gelu_mm"])
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU: a 2.7B model takes minutes on the CPU
         model = GPT(config)
@@ -215,6 +218,9 @@ def run_ladder(config, B, T, device, plan, plot=None, plt=None, chosen=None):
     if stats.get(TRITON_RUNG):
         print(f"'{TRITON_RUNG}': flash_triton.py's kernels on c_attn's whole output instead of SDPA (cuDNN here): "
               "python train.py --vocab 50304 --bf16 --compile --attn triton")
+    if stats.get(GELU_RUNG):
+        print(f"'{GELU_RUNG}': gpt.GeluMLP, c_fc's output read through GELU by the matmuls around it (Triton "
+              "kernels): GELU's output and the gradient before it never written; not in train.py")
     if stats.get(FP8_RUNG):
         print(f"'{FP8_RUNG}': gpt.use_fp8(model, min_width=0), all four Linears of each block; by default use_fp8 "
               f"(train.py --fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)")

@@ -237,6 +237,52 @@ def test_adamw_to_bf16_gpu_rounds_as_autocast():
     assert torch.equal(gpu[3], gpu[0].to(torch.bfloat16))
     assert all((a - b.cpu()).abs().max() <= 1e-6 * a.abs().max() for a, b in zip(cpu[:3], gpu[:3]))
 
+def gelu_mlp_matches_plain(device, dtype, tol):
+    """A tiny GPT with GELU inside the MLP's matmuls (GeluMLP) against the same weights with the plain MLP: loss and
+    every gradient."""
+    config = gpt.make_config("tiny")
+    torch.manual_seed(0)
+    model = gpt.GPT(config).to(device)
+    idx = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(5)).to(device)
+    results = {}
+    for fused in (False, True):
+        for block in model.h:
+            block.mlp.gelu_in_matmul = fused
+        model.zero_grad()
+        with gpt.autocast(device, dtype):
+            _, loss = model(idx, idx)
+        loss.backward()
+        results[fused] = [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+    errs = [rel_err(a.double(), b.double()) for a, b in zip(results[True], results[False])]
+    assert max(errs) < tol, errs
+
+def test_gelu_mlp_matches_plain_and_kernel_matches_torch():
+    """GeluMLP (GELU inside the MLP's matmuls) trains the model the plain MLP trains (CPU, fp32); its matmul kernel
+    (CUDA's path; here interpreted) = its PyTorch path for each of GELU on A, GELU on B, GELU'(H) and the bias."""
+    gelu_mlp_matches_plain("cpu", None, 1e-5)
+    assert "kernel ok" in run("-c", r"""
+import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
+gen = torch.Generator().manual_seed(0)
+M, K, N = 70, 96, 50  # ragged against the 128 x 128 x 64 tiles
+a, b, h, bias = torch.randn(M, K, generator=gen), torch.randn(K, N, generator=gen), torch.randn(M, N, generator=gen), \
+    torch.randn(N, generator=gen)
+for kw in (dict(gelu_a=True, bias=bias), dict(gelu_b=True), dict(grad_of=h), {}):
+    ref = gpt.gelu_matmul(a, b, **kw)
+    c = torch.empty(M, N)
+    hh = kw.get("grad_of", c)
+    bb = kw.get("bias", c)
+    gpt._matmul[(1,)](a, b, c, hh, bb, M, N, K, *a.stride(), *b.stride(), *c.stride(), *hh.stride(),
+                      GELU_A=kw.get("gelu_a", False), GELU_B=kw.get("gelu_b", False), GELU_GRAD="grad_of" in kw,
+                      BIAS="bias" in kw, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
+    assert (c - ref).abs().max() <= 1e-4 * ref.abs().max(), (kw.keys(), (c - ref).abs().max())
+at = torch.randn(K, M, generator=gen).t()  # a transposed view: strides, not copies
+assert (gpt.gelu_matmul(at, b, gelu_a=True) - gpt.gelu_matmul(at.contiguous(), b, gelu_a=True)).abs().max() == 0
+print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
+
+@gpu
+def test_gelu_mlp_gpu_matches_plain_bf16():
+    gelu_mlp_matches_plain("cuda", torch.bfloat16, 3e-2)
+
 def attention_matches_naive(impl, device, dtype, tol):
     """A tiny GPT's logits and gradients with attention `impl` = naive attention's; False if impl cannot run here."""
     results = {}
@@ -751,7 +797,7 @@ def test_bench_e2e_ladder_cpu():
                                "--plot", png)
     numbered = tuple(f"{i + 1:>2} {name}" for i, (name, _) in enumerate(bench_e2e.LADDER))
     rows = [line for line in out.splitlines() if line.startswith(numbered)]
-    expect = [(0, 0), (1, 0), (0, 2), (0, 2), (0, 2)] + [(1, 0)] * 6  # (skipped, speed-ups): GPU-only, compiled
+    expect = [(0, 0), (1, 0), (0, 2), (0, 2), (0, 2)] + [(1, 0)] * 7  # (skipped, speed-ups): GPU-only, compiled
     assert code == 0 and [(r.count("skipped"), r.count("x (")) for r in rows] == expect, err + out
     assert out.strip().splitlines()[-1].startswith("ladder:") and bench_e2e.starts_with(b"\x89PNG\r\n\x1a\n")(png)
     code, out, err = call_main("bench_e2e.py", "--device", "cpu", "--ladder", "--batch", 1, "--seq", 16, "--rounds", 2,
@@ -843,7 +889,7 @@ def test_bench_e2e_bad_input():
         (["--ladder", "--plot", j(d, "missing", "p.png")], "does not exist"),
         ("--ladder --bf16", "sets precision"),
         ("--ladder --warmup 0", "--warmup 1 or more"),
-        ("--rungs 3", "add --ladder"), ("--ladder --rungs 9,10", "add 8"), ("--ladder --rungs 12", "at most 11"),
+        ("--rungs 3", "add --ladder"), ("--ladder --rungs 9,10", "add 8"), ("--ladder --rungs 13", "at most 12"),
         ("--ladder --rungs 0", "at least 1"),
         ("--warmup-table --warmup 1", "drop --warmup and --rounds"),
         ("--warmup-table --rounds 3", "drop --warmup and --rounds"),
