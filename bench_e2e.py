@@ -686,6 +686,23 @@ def print_groups(groups, wall_ms, bench, B, T, steps, device):
     print(f"\ntime by category: the train step ({wall_ms:.2f} ms wall per step, {where})")
     print_table(["group", "ms/step", "share of step", "its limit", "ms at the limit", "x its limit"], rows)
 
+def idle_gaps(prof, steps, long_us=20.0):
+    """(ms of short gaps, ms of long gaps, long gaps) per step between the GPU's kernels, from the first to the last.
+    A gap under long_us is the launch latency between one kernel and the next, a longer one the GPU waiting for
+    the CPU (Python, a launch, a synchronization); CUDA graphs remove the second kind, not the first."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    short, long, count = 0.0, 0.0, 0
+    busy_until = spans[0][1] if spans else 0.0
+    for start, end in spans[1:]:  # kernels on several streams may overlap: a gap is time no kernel runs
+        gap = start - busy_until
+        if gap >= long_us:
+            long, count = long + gap, count + 1
+        elif gap > 0:
+            short += gap
+        busy_until = max(busy_until, end)
+    return short / 1e3 / steps, long / 1e3 / steps, count / steps
+
 def print_profile(profs, bench, B, T, steps, device, trace):
     cuda, kind = device.type == "cuda", "kernels" if device.type == "cuda" else "CPU ops"
     for title, prof in ((f"forward {kind}", profs["forward"]),
@@ -697,6 +714,10 @@ def print_profile(profs, bench, B, T, steps, device, trace):
                     [[n[:80], f"{c / steps:g}", f"{us / 1e3 / steps:.3f}", f"{100 * us / total:.1f}%"]
                      for n, c, us in ks[:10]])
     print_groups(category_times(profs["train"], cuda), profs["wall_ms"], bench, B, T, steps, device)
+    if cuda:
+        short, long, count = idle_gaps(profs["train"], steps)
+        print(f"idle between kernels: {short:.2f} ms a step in gaps under 20 us (launch latency), {long:.2f} ms in "
+              f"{count:g} longer gaps a step (the GPU waiting for the CPU)")
     if bench.config.attn == "naive":
         rows = naive_attention_rows(profs["forward"], bench.config, B, T, steps, cuda)
         print(f"\nnaive attention, forward, all {bench.config.n_layer} layers")

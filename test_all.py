@@ -830,6 +830,18 @@ def test_bench_e2e_master_weights_train_as_autocast_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(fp32, kept.masters))  # the masters are the plain run's weights
     assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(fp32, bf16))  # and the bf16 copies their casts
 
+def test_bench_e2e_idle_gaps_split_short_and_long():
+    """The profile's idle line: gaps between kernels (overlapping kernels leave none) split at 20 us, per step."""
+    from types import SimpleNamespace
+    def event(start, end, device="CUDA"):
+        return SimpleNamespace(device_type=getattr(torch.autograd.DeviceType, device),
+                               time_range=SimpleNamespace(start=start, end=end))
+    events = [event(0, 10), event(5, 30), event(35, 40), event(100, 110), event(112, 200), event(50, 60, "CPU")]
+    prof = SimpleNamespace(events=lambda: events)  # gaps 5 (30 -> 35), 60 (40 -> 100), 2 (110 -> 112) us
+    short, long, count = bench_e2e.idle_gaps(prof, steps=2)
+    assert (round(short * 1e3, 6), round(long * 1e3, 6), count) == (3.5, 30.0, 0.5), (short, long, count)
+    assert bench_e2e.idle_gaps(SimpleNamespace(events=lambda: []), steps=1) == (0.0, 0.0, 0.0)
+
 def test_bench_e2e_sweep_numbers_profile_cpu_run():
     cpu = torch.device("cpu")
     times, stats = sweep(cpu)
