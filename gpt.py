@@ -411,10 +411,11 @@ def gelu_matmul(a, b, bias=None, gelu_a=False, gelu_b=False, grad_of=None):
         M, K = a.shape
         N = b.shape[1]
         c = a.new_empty(M, N)
-        h = c if grad_of is None else grad_of
+        # a stands in for an H or a bias the kernel does not read: the output it writes is never passed twice
+        h = a if grad_of is None else grad_of
         blocks = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
         grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(N, blocks["BLOCK_N"]),)
-        _matmul[grid](a, b, c, h, c if bias is None else bias, M, N, K, *a.stride(), *b.stride(), *c.stride(),
+        _matmul[grid](a, b, c, h, a if bias is None else bias, M, N, K, *a.stride(), *b.stride(), *c.stride(),
                       *h.stride(), GELU_A=gelu_a, GELU_B=gelu_b, GELU_GRAD=grad_of is not None,
                       BIAS=bias is not None, **blocks, num_warps=8, num_stages=3)
         return c
