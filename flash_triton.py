@@ -9,6 +9,7 @@ This file imports nothing from the repository: copy it and it runs.
     python flash_triton.py                 # the benchmark (on a CPU: the kernels vs the reference, --shapes too)
     python flash_triton.py --shapes 8x16x2048x64 --plot flash.png
     python flash_triton.py --grid --plot grid.png   # the course's grid: ours, plain PyTorch, SDPA
+    python flash_triton.py --tiles dkdv --dims 64   # every candidate tile of one kernel, timed in its pass
 
     from flash_triton import FlashAttention, flash_attention
     o = FlashAttention.apply(q, k, v, True)        # (batch, seq, d), (batch, heads, seq, d), ...
@@ -724,6 +725,63 @@ def plot_tflops(results, path):
 
 # takeaway: compare against SDPA's own fused kernels, paired by repeat, and graphed to remove launch costs.
 
+# --- 5b. --tiles: the search behind TUNED, one kernel at a time (its pass timed with every candidate, bf16)
+
+TILE_CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages), within each kernel's static_assert
+    "fwd": [(m, n, w, st) for m in (64, 128) for n in (32, 64, 128) if m % n == 0 for w in (4, 8) for st in (2, 3, 4)],
+    "dq": [(m, n, w, st) for m in (64, 128) for n in (32, 64, 128) if m % n == 0 for w in (4, 8) for st in (2, 3, 4)],
+    "dkdv": [(m, n, w, st) for m in (32, 64, 128) for n in (64, 128) if n % m == 0 for w in (4, 8) for st in (2, 3, 4)],
+}
+
+
+def search_tiles(kernel, B, H, S, D):
+    """[(tiles, ms or why not)] for `kernel` at causal (B, H, S, D) in bf16, today's TUNED tiles first: the forward
+    timed for "fwd", the backward (dQ then dK/dV) for the other two, every other kernel on its TUNED tiles."""
+    q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = D**-0.5
+    o, lse = _forward(q, k, v, True, scale, "tf32")
+    grads = [torch.empty_like(q) for _ in range(3)]
+    tuned = TUNED[D]
+    rows = []
+    for tiles in [tuned[kernel]] + [t for t in TILE_CANDIDATES[kernel] if t != tuned[kernel]]:
+        TUNED[D] = {**tuned, kernel: tiles}  # the launchers' keys hold the tiles: no stale kernel is reused
+        try:
+            if kernel == "fwd":
+                ms = triton.testing.do_bench(lambda: _forward(q, k, v, True, scale, "tf32"), return_mode="median")
+            else:
+                ms = triton.testing.do_bench(lambda: _backward(q, k, v, o, do, lse, *grads, True, scale, "tf32"),
+                                             return_mode="median")
+            rows.append((tiles, ms))
+            print(f"  {kernel} {tiles}: {ms:.3f} ms", file=sys.stderr, flush=True)
+        except Exception as e:  # out of shared memory or registers: a row, and the search goes on
+            rows.append((tiles, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:60]}"))
+        finally:
+            TUNED[D] = tuned
+    return rows
+
+
+def report_tiles(kernel, shape, rows):
+    """The candidates fastest first, each against today's TUNED tiles (the first row searched); failures last."""
+    B, H, S, D = shape
+    today, today_ms = rows[0]
+    timed = sorted((r for r in rows if not isinstance(r[1], str)), key=lambda r: r[1])
+    table = []
+    for tiles, ms in timed:
+        vs = "n/a"
+        if not isinstance(today_ms, str):
+            vs = f"{ms / today_ms:.3f}x"
+        name = f"{tiles} (TUNED today)" if tiles == today else str(tiles)
+        table.append([name, f"{ms:.3f}", vs])
+    table += [[str(tiles), why, "n/a"] for tiles, why in rows if isinstance(why, str)]
+    what = "forward" if kernel == "fwd" else "backward (dQ, then dK/dV)"
+    print(f"\n{kernel} tiles at B{B} H{H} S{S} D{D} bf16, causal: the {what} pass, do_bench median ms")
+    print_table(["(BLOCK_M, BLOCK_N, warps, stages)", "ms", "vs TUNED"], table)
+    if timed:
+        print(f"summary: fastest {kernel} tiles at D{D}: {timed[0][0]}, {timed[0][1]:.3f} ms, {table[0][2]} of "
+              f"today's {today}")
+
+# takeaway: a tile that fits shared memory is not the fastest one; time the pass it runs in, per head dim.
+
 # --- 6. the course's benchmarking grid: ours, plain PyTorch and SDPA; batch 1, one head, causal
 
 GPU_GRID = {"seqs": [2**i for i in range(7, 17)], "dims": list(HEAD_DIMS), "dtypes": ["bf16", "fp32"]}  # S 128-65536
@@ -965,10 +1023,18 @@ def parse_args(argv):
     p.add_argument("--dims", type=comma_list(head_dim), help="grid head dims (default 16,32,64,128)")
     p.add_argument("--dtypes", type=comma_list(one_of(list(DTYPES))), help="grid dtypes (default bf16,fp32)")
     p.add_argument("--passes", type=comma_list(one_of(list(GRID_PASSES))), help="grid passes (default all)")
+    p.add_argument("--tiles", choices=list(TILE_CANDIDATES), help="time every candidate tile of this kernel in its "
+                   "pass, bf16, at B1 H16 S16384 for each of --dims (default 64,128) or at --shapes; CUDA GPU only")
     args = p.parse_args(argv)
     narrowing = [flag for flag in ("seqs", "dims", "dtypes", "passes") if getattr(args, flag) is not None]
+    if args.tiles:  # the search takes head dims too
+        narrowing = [flag for flag in narrowing if flag != "dims"]
     if narrowing and not args.grid:
         p.error(f"--{narrowing[0]} narrows the grid: add --grid")
+    if args.tiles and (args.grid or args.repeats is not None or args.plot):
+        p.error("--tiles searches one kernel's tiles; drop --grid, --repeats and --plot")
+    if args.tiles and INTERPRETED:
+        p.error("--tiles times the kernels on a CUDA GPU; without one they are only checked (no flags)")
     if args.grid and args.shapes:
         p.error("--shapes chooses the benchmark's shapes; the grid takes --seqs and --dims")
     if args.grid and args.repeats is not None:
@@ -1024,6 +1090,14 @@ def main(argv=None):
     args = parse_args(argv)
     if args.grid:
         grid(args.seqs, args.dims, args.dtypes, args.passes, args.plot)
+        return
+    if args.tiles:
+        shapes = [(1, 16, 16384, D) for D in args.dims or (64, 128)]
+        if args.shapes:
+            shapes = [shape[:4] for shape in args.shapes]  # (B, H, S, D); the search is bf16
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+        for shape in shapes:
+            report_tiles(args.tiles, shape, search_tiles(args.tiles, *shape))
         return
     if INTERPRETED:
         self_check(args.shapes or [CHECK_SHAPE])

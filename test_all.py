@@ -1603,7 +1603,8 @@ def flash_interpreted():
     check_bad_inputs("flash_triton.py", [  # flags the interpreter cannot honour stop rather than go unheard
         ("--shapes 1x16x16384x64", "too large for the CPU interpreter"),
         ("--shapes 1x2x64x16,1x4x1024x64", "--shapes 1x4x1024x64 is too large"),
-        ("--repeats 3", "nothing is timed"),
+        ("--repeats 3", "nothing is timed"), ("--tiles dkdv", "--tiles times the kernels on a CUDA GPU"),
+        ("--tiles dq --grid", "drop --grid"), ("--tiles sideways", "invalid choice"),
         ("--shapes 1x2x64x16 --repeats 2", "--repeats times the GPU benchmark")])
     x = torch.randn(1, 2, 8, 16)
     for args, says in [((torch.randn(1, 2, 8, 48),) * 3, "head dim 48"), ((x, x.half(), x), "dtype"),
@@ -1687,6 +1688,22 @@ def test_flash_kept_launchers_same_answer_new_alignment_new_kernel():
     assert q_odd.data_ptr() % 16 != 0
     assert rel_err(ft.flash_attention(q_odd, k, v, True).float(), first.float()) < 1e-3
     assert len(ft.LAUNCHERS) == kept + 1  # a forward compiled for the unaligned q
+
+@gpu
+def test_flash_tile_search_times_candidates_today_first():
+    """--tiles: today's TUNED tiles first, every candidate timed (or its failure a row), TUNED left as it was."""
+    import flash_triton as ft
+    ft.TILE_CANDIDATES = {"dkdv": [(32, 64, 4, 2), (64, 64, 4, 2)], "fwd": [(64, 64, 4, 2), (128, 128, 8, 3)]}
+    before = {D: dict(t) for D, t in ft.TUNED.items()}
+    for kernel in ("dkdv", "fwd"):
+        rows = ft.search_tiles(kernel, 1, 2, 512, 64)
+        assert rows[0][0] == ft.TUNED[64][kernel] and len(rows) == 1 + sum(t != rows[0][0] for t in
+                                                                           ft.TILE_CANDIDATES[kernel]), rows
+        assert all(isinstance(ms, str) or ms > 0 for _, ms in rows), rows
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            ft.report_tiles(kernel, (1, 2, 512, 64), rows)
+        assert out.getvalue().strip().splitlines()[-1].startswith(f"summary: fastest {kernel} tiles at D64"), out
+    assert ft.TUNED == before
 
 @gpu
 def test_flash_grid_gpu_prints_every_cell():
