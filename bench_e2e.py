@@ -56,7 +56,8 @@ HEADLINE, FP8_RUNG = "+ fused linear-CE", LADDER[-1][0]
 MASTER_RUNG, TRITON_RUNG, GELU_RUNG = (name for name, _ in LADDER[-4:-1])
 HEADLINE_NUMBER = [name for name, _ in LADDER].index(HEADLINE) + 1  # rungs are numbered from 1
 # All rungs live at once, to run in the same rounds: at B=16 T=1024 each gpt2 keeps 1.5 GB of weights and
-# AdamW moments, the fp32 rung's step ~30 GB of activations, the CUDA graph pool ~10 GB: ~55 GB in all.
+# AdamW moments, the fp32 rung's step ~30 GB of activations, the CUDA graph pool ~10 GB: ~55 GB for the first ten
+# rungs. A rung that does not fit is marked OOM and the others go on; --rungs times a few (the levers, say).
 
 def skip_reason(change, s, device):
     # TF32 has no CPU equivalent (the rungs after it still run); Inductor's CPU compile takes minutes a rung
