@@ -215,7 +215,7 @@ def run_ladder(config, B, T, device, plan, plot=None, plt=None, chosen=None):
         print(f"'{HEADLINE}' is train.py's headline configuration: python train.py --vocab 50304 --bf16 --compile")
     if stats.get(MASTER_RUNG):
         print(f"'{MASTER_RUNG}': gpt.MasterWeights, the blocks' Linear weights bf16 in the model and fp32 in the "
-              "optimizer, whose AdamW kernel writes the bf16 copy; not in train.py (no clipping, DDP or checkpoints)")
+              "optimizer, whose AdamW kernel writes the bf16 copy; not in train.py (no DDP, FSDP or checkpoints)")
     if stats.get(TRITON_RUNG):
         print(f"'{TRITON_RUNG}': flash_triton.py's kernels on c_attn's whole output instead of SDPA (cuDNN here): "
               "python train.py --vocab 50304 --bf16 --compile --attn triton")

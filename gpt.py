@@ -555,8 +555,8 @@ def adamw(params, lr, weight_decay=0.1, betas=(0.9, 0.95)):
 
 
 @triton.jit
-def _adamw_to_bf16(master_ptr, grad_ptr, m_ptr, v_ptr, low_ptr, n, lr, weight_decay, beta1, beta2, eps, step_size,
-                   bias2_sqrt, BLOCK: tl.constexpr):
+def _adamw_to_bf16(master_ptr, grad_ptr, m_ptr, v_ptr, low_ptr, scale_ptr, n, lr, weight_decay, beta1, beta2, eps,
+                   step_size, bias2_sqrt, SCALED: tl.constexpr, BLOCK: tl.constexpr):
     # AdamW on a stretch of one fp32 master weight, from its bf16 gradient, writing the bf16 copy the model reads:
     # 28 bytes a parameter (read 4 + 2 + 4 + 4, write 4 + 4 + 4 + 2), where autocast's cast of the weight in
     # forward, of its gradient in backward and AdamW between them move 40. torch's AdamW arithmetic, in its order.
@@ -564,6 +564,8 @@ def _adamw_to_bf16(master_ptr, grad_ptr, m_ptr, v_ptr, low_ptr, n, lr, weight_de
     inside = offs < n
     p = tl.load(master_ptr + offs, mask=inside)
     g = tl.load(grad_ptr + offs, mask=inside).to(tl.float32)
+    if SCALED:  # clip_gradients' divisor, read on the GPU: no host sync (torch's fused AdamW does the same)
+        g = g / tl.load(scale_ptr)
     m = tl.load(m_ptr + offs, mask=inside)
     v = tl.load(v_ptr + offs, mask=inside)
     p = p * (1.0 - lr * weight_decay)  # decoupled weight decay
@@ -576,17 +578,22 @@ def _adamw_to_bf16(master_ptr, grad_ptr, m_ptr, v_ptr, low_ptr, n, lr, weight_de
     tl.store(low_ptr + offs, p.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)  # as autocast rounds
 
 
-def adamw_to_bf16(master, grad, m, v, low, lr, weight_decay, beta1, beta2, eps, step):
-    """One AdamW step of an fp32 master (and its moments m, v) from a bf16 gradient; the result also into the bf16
-    weight `low`. The kernel on a GPU; on a CPU the same arithmetic in PyTorch (torch's AdamW, op for op)."""
+def adamw_to_bf16(master, grad, m, v, low, lr, weight_decay, beta1, beta2, eps, step, grad_scale=None):
+    """One AdamW step of an fp32 master (and its moments m, v) from a bf16 gradient, divided by grad_scale (a
+    one-element tensor) if given; the result also into the bf16 weight `low`. The kernel on a GPU; on a CPU the
+    same arithmetic in PyTorch (torch's AdamW, op for op)."""
     step_size = lr / (1 - beta1**step)
     bias2_sqrt = math.sqrt(1 - beta2**step)
     if master.is_cuda:
         n = master.numel()
-        _adamw_to_bf16[(triton.cdiv(n, 4096),)](master, grad, m, v, low, n, lr, weight_decay, beta1, beta2, eps,
-                                                step_size, bias2_sqrt, BLOCK=4096, num_warps=8)
+        scale = master if grad_scale is None else grad_scale  # (master stands in, unread, when nothing scales)
+        _adamw_to_bf16[(triton.cdiv(n, 4096),)](master, grad, m, v, low, scale, n, lr, weight_decay, beta1, beta2,
+                                                eps, step_size, bias2_sqrt, SCALED=grad_scale is not None,
+                                                BLOCK=4096, num_warps=8)
         return
     g = grad.float()
+    if grad_scale is not None:
+        g = g / grad_scale
     master.mul_(1 - lr * weight_decay)
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -604,8 +611,9 @@ class MasterWeights:
     gradient, steps the fp32 master and writes the new bf16 copy. The values are autocast's (the same
     round-to-nearest casts, made once per step instead of once per use); on a CPU training matches it bit for
     bit. The token embedding (tied to the output layer) and every vector stay fp32, as autocast keeps them,
-    with torch's AdamW. Not for DDP or FSDP, gradient clipping or checkpoints: those read model.parameters(),
-    which now holds the bf16 copies."""
+    with torch's AdamW. Gradients clip as with torch's fused AdamW (clip_gradients sets grad_scale; the norm then
+    comes from the bf16 gradients). Not for DDP or FSDP, or checkpoints: those read model.parameters(), which now
+    holds the bf16 copies."""
 
     def __init__(self, model, lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8):
         self.low, self.masters, self.moments = [], [], []
@@ -625,19 +633,18 @@ class MasterWeights:
         self.defaults = self.optimizer.defaults
         self.state = self.optimizer.state
         self.steps = 0
-        self.grad_scale = None  # what clip_gradients sets on a fused AdamW; here it would reach no kernel
+        self.grad_scale = None  # clip_gradients' divisor on a GPU (a fused AdamW's attribute), passed on by step
 
     @torch.no_grad()
     def step(self):
-        if self.grad_scale is not None:  # said, not silently ignored
-            raise ValueError("MasterWeights does not clip gradients yet: train with grad_clip=0")
+        self.optimizer.grad_scale = self.grad_scale  # torch's fused AdamW reads it there
         self.steps += 1
         group = self.matrices
         beta1, beta2 = group["betas"]
         for master, low, (m, v) in zip(self.masters, self.low, self.moments):
             if low.grad is not None:
                 adamw_to_bf16(master, low.grad, m, v, low, group["lr"], group["weight_decay"], beta1, beta2,
-                              group["eps"], self.steps)
+                              group["eps"], self.steps, self.grad_scale)
         self.optimizer.step()
 
     def zero_grad(self, set_to_none=True):

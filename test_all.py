@@ -210,12 +210,12 @@ gen = torch.Generator().manual_seed(0)
 n, lr, wd, b1, b2, eps = 5000, 1e-2, 0.1, 0.9, 0.95, 1e-8
 torch_side = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)]
 kernel_side = [t.clone() for t in torch_side]
-for step in (1, 2, 3):
+for step, scale in ((1, None), (2, torch.tensor([2.5])), (3, None)):  # step 2 clipped: gradients divided by 2.5
     grad = torch.randn(n, generator=gen).to(torch.bfloat16)
-    gpt.adamw_to_bf16(*torch_side[:1], grad, *torch_side[1:], lr, wd, b1, b2, eps, step)
+    gpt.adamw_to_bf16(*torch_side[:1], grad, *torch_side[1:], lr, wd, b1, b2, eps, step, scale)
     master, m, v, low = kernel_side
-    gpt._adamw_to_bf16[(2,)](master, grad, m, v, low, n, lr, wd, b1, b2, eps, lr / (1 - b1**step),
-                             math.sqrt(1 - b2**step), BLOCK=4096)
+    gpt._adamw_to_bf16[(2,)](master, grad, m, v, low, master if scale is None else scale, n, lr, wd, b1, b2, eps,
+                             lr / (1 - b1**step), math.sqrt(1 - b2**step), SCALED=scale is not None, BLOCK=4096)
 for a, b in zip(torch_side[:3], kernel_side[:3]):  # master, m, v: fp32 rounding apart at most
     assert (a - b).abs().max() <= 1e-6 * a.abs().max(), (a - b).abs().max()
 low, master = kernel_side[3].float(), kernel_side[0]  # the interpreter truncates bf16 casts, the GPU rounds:
@@ -230,10 +230,10 @@ def test_adamw_to_bf16_gpu_rounds_as_autocast():
     n, settings = 3_000_000, (1e-2, 0.1, 0.9, 0.95, 1e-8)
     cpu = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)]
     gpu = [t.cuda() for t in cpu]
-    for step in (1, 2, 3):
+    for step, scale in ((1, None), (2, torch.tensor([2.5])), (3, None)):  # step 2 clipped
         grad = torch.randn(n, generator=gen).to(torch.bfloat16)
-        gpt.adamw_to_bf16(cpu[0], grad, *cpu[1:], *settings, step)
-        gpt.adamw_to_bf16(gpu[0], grad.cuda(), *gpu[1:], *settings, step)
+        gpt.adamw_to_bf16(cpu[0], grad, *cpu[1:], *settings, step, scale)
+        gpt.adamw_to_bf16(gpu[0], grad.cuda(), *gpu[1:], *settings, step, None if scale is None else scale.cuda())
     assert torch.equal(gpu[3], gpu[0].to(torch.bfloat16))
     assert all((a - b.cpu()).abs().max() <= 1e-6 * a.abs().max() for a, b in zip(cpu[:3], gpu[:3]))
 
@@ -829,6 +829,21 @@ def test_bench_e2e_master_weights_train_as_autocast_bit_for_bit():
     assert all(w.dtype == torch.bfloat16 for w in bf16) and len(kept.masters) == 4 * config.n_layer
     assert all(torch.equal(a, b) for a, b in zip(fp32, kept.masters))  # the masters are the plain run's weights
     assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(fp32, bf16))  # and the bf16 copies their casts
+    # clipped: the norm comes from the bf16 gradients (rounded), so close rather than equal. Adam's update hardly
+    # sees a gradient's scale; its first moment does: the clipped moments must match, not be norm / 0.05 times larger
+    clipped = []
+    for master in (False, True):
+        bench = bench_e2e.build(config, {**plain, "master": master}, cpu)
+        norms = [gpt.train_step(bench.model, bench.optimizer, *bench_e2e.batch_of(2, 32, cpu), torch.bfloat16,
+                                grad_clip=0.05, return_norm=True)[1].item() for _ in range(4)]
+        if master:
+            moments = [m for m, _ in bench.optimizer.moments]
+        else:
+            linears = [m.weight for block in bench.model.h for m in block.modules() if type(m) is torch.nn.Linear]
+            moments = [bench.optimizer.state[w]["exp_avg"] for w in linears]
+        clipped.append((norms, moments))
+    assert all(norm > 0.5 for norm in clipped[1][0]), clipped[1][0]  # every step clipped, by 10x or more
+    assert max(rel_err(a, b) for a, b in zip(clipped[0][1], clipped[1][1])) < 1e-2
 
 def test_bench_e2e_idle_gaps_split_short_and_long():
     """The profile's idle line: gaps between kernels (overlapping kernels leave none) split at 20 us, per step."""
