@@ -1721,6 +1721,23 @@ def test_flash_tile_search_times_candidates_today_first():
     assert ft.TUNED == before
 
 @gpu
+def test_flash_model_path_agrees_with_cudnn_and_is_timed():
+    """The model's call, c_attn's output to c_proj's input: ours (whole projection) = cuDNN after the split, output
+    and gradient, in bf16; the called/graphed table has a row each and a ratio."""
+    import flash_triton as ft
+    qkv = torch.randn(2, 256, 3 * 4 * 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2, 256, 4 * 64, device="cuda", dtype=torch.bfloat16)
+    outs = {}
+    for impl in ("ours", "sdpa cudnn"):
+        y = ft.attention_as_the_model_calls_it(impl, qkv, 4)
+        outs[impl] = (y, *torch.autograd.grad(y, qkv, dy))
+    assert all(rel_err(a.float(), b.float()) < 2e-2 for a, b in zip(outs["ours"], outs["sdpa cudnn"]))
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        ft.report_model_path((2, 4, 256, 64), ft.model_path(2, 4, 256, 64, repeats=2))
+    rows = [line.split() for line in out.getvalue().splitlines() if line.startswith(("ours", "sdpa cudnn"))]
+    assert len(rows) == 2 and rows[1][-2].startswith("1.00x"), out.getvalue()
+
+@gpu
 def test_flash_grid_gpu_prints_every_cell():
     out, _ = main_ok("flash_triton.py", "--grid", "--seqs", "256,1024", "--dims", "64", "--dtypes", "bf16,fp32")
     rows = grid_rows(out)  # 2 dtypes x 2 seqs x 3 passes, every cell a time: nothing runs out of memory this small
