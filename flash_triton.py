@@ -214,7 +214,7 @@ def _attn_dq_kernel(Q, K, V, O, DO, L, Delta, DQ, sqb, sqh, sqn, skb, skh, skn, 
                        CAUSAL, True, D, BLOCK_N, PRECISION, TMA)
     dq = _dq_inner(dq, q, do, lse2, delta, Kt, Vt, skn, svn, offs_m, 0, full_end, Nk, qk_scale,
                    CAUSAL, False, D, BLOCK_N, PRECISION, TMA)
-    dq_ptrs = DQ + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_d[None, :]  # in q's layout (_grad_like)
+    dq_ptrs = DQ + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_d[None, :]  # in q's layout (_grad_buffer)
     tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=rows)
 
 
@@ -244,8 +244,8 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, L, Delta, sqn, sdn, offs_n, lo, hi, Nq, qk_
 
 
 @triton.jit
-def _attn_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
-                      sdb, sdh, sdn, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, qk_scale, scale,
+def _attn_dkdv_kernel(Q, K, V, DO, L, Delta, DKV, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn,
+                      sdb, sdh, sdn, sgb, sgh, sgn, off_k, off_v, H, Nq, Nk, qk_scale, scale,
                       CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIAG: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     tl.static_assert(BLOCK_N % BLOCK_M == 0 and BLOCK_N % DIAG == 0)  # query slices tile the key tile
@@ -279,10 +279,9 @@ def _attn_dkdv_kernel(Q, K, V, DO, L, Delta, DK, DV, sqb, sqh, sqn, skb, skh, sk
                          qk_scale, CAUSAL, False, D, BLOCK_M, PRECISION, TMA)
     dk, dv = _dkdv_inner(dk, dv, k, v, Qt, DOt, L, Delta, sqn, sdn, offs_n, tl.maximum(full_start, full_end),
                          Nq, Nq, qk_scale, CAUSAL, True, D, BLOCK_M, PRECISION, TMA)
-    dk_ptrs = DK + b * sgkb + h * sgkh + offs_n[:, None] * sgkn + offs_d[None, :]  # in k's and v's layouts
-    dv_ptrs = DV + b * sgvb + h * sgvh + offs_n[:, None] * sgvn + offs_d[None, :]
-    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=rows)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=rows)
+    out = DKV + b * sgb + h * sgh + offs_n[:, None] * sgn + offs_d[None, :]  # dK and dV: one tensor, two offsets
+    tl.store(out + off_k, (dk * scale).to(DKV.dtype.element_ty), mask=rows)
+    tl.store(out + off_v, dv.to(DKV.dtype.element_ty), mask=rows)
 
 # takeaway: the backward recomputes P from L, and each gradient has one owner: no atomics, deterministic.
 
@@ -369,14 +368,17 @@ def _as_4d(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _grad_like(t):
-    # A gradient laid out as its input: the model's q, k and v are head-transposed views of one (B, S, 3, H, D)
-    # projection, so their gradients go to (B, S, H, D) memory, where autograd's transpose back to (B, S, H*D) is
-    # a view; contiguous (B, H, S, D) gradients would each be copied there by a transposing kernel.
+def _grad_buffer(t, n):
+    # n gradients shaped like t (B, H, S, D) in one tensor, laid out as t is: the model's q, k and v are
+    # head-transposed views of one (B, S, 3, H, D) projection, so theirs go to (B, S, H, D) memory, where autograd's
+    # transpose back to (B, S, H*D) is a view (contiguous (B, H, S, D) gradients would each be copied there).
+    # Returns the tensor and the n gradients, views into it.
     B, H, S, D = t.shape
     if H > 1 and t.stride(1) < t.stride(2):  # heads inside tokens
-        return t.new_empty(B, S, H, D).transpose(1, 2)
-    return t.new_empty(B, H, S, D)
+        buffer = t.new_empty(n, B, S, H, D)
+        return buffer, [g.transpose(1, 2) for g in buffer.unbind(0)]
+    buffer = t.new_empty(n, B, H, S, D)
+    return buffer, list(buffer.unbind(0))
 
 
 def _forward(q4, k4, v4, causal, scale, precision):
@@ -391,8 +393,11 @@ def _forward(q4, k4, v4, causal, scale, precision):
     return o, lse
 
 
-def _backward(q4, k4, v4, o4, do4, lse, dq, dk, dv, causal, scale, precision):
-    """Writes dQ, dK, dV into the (B, H, S, D) tensors given, whatever their strides (last dimension contiguous)."""
+def _backward(q4, k4, v4, o4, do4, lse, dq, dkv, causal, scale, precision):
+    """dQ into dq = (tensor, its (b, h, n) strides), dK and dV into dkv = (one tensor, their (b, h, n) strides, dK's
+    offset, dV's offset), the last dimension contiguous. Whole tensors with strides and offsets, never views into
+    them: under torch.compile a kernel writing into an offset or gapped view, or into one tensor passed twice,
+    is what PyTorch's handling of mutated kernel arguments has got wrong (its issues on both)."""
     B, H, Nq, D = q4.shape
     Nk = k4.shape[2]
     delta = torch.empty(B, H, Nq, device=q4.device, dtype=torch.float32)
@@ -400,10 +405,10 @@ def _backward(q4, k4, v4, o4, do4, lse, dq, dk, dv, causal, scale, precision):
     tail = (H, Nq, Nk, scale * LOG2E, scale)
     meta = dict(CAUSAL=causal, D=D, PRECISION=precision, TMA=_use_tma(q4, k4, v4, do4))
     # dQ first: it also writes D = rowsum(dO * O), which the dK/dV kernel reads. No atomics.
-    _launch("dq", Nq, B * H, (q4, k4, v4, o4, do4, lse, delta, dq, *qkv_strides, *o4.stride()[:3],
-                              *do4.stride()[:3], *dq.stride()[:3], *tail), q4.dtype, **meta)
-    _launch("dkdv", Nk, B * H, (q4, k4, v4, do4, lse, delta, dk, dv, *qkv_strides, *do4.stride()[:3],
-                                *dk.stride()[:3], *dv.stride()[:3], *tail), q4.dtype, **meta)
+    _launch("dq", Nq, B * H, (q4, k4, v4, o4, do4, lse, delta, dq[0], *qkv_strides, *o4.stride()[:3],
+                              *do4.stride()[:3], *dq[1], *tail), q4.dtype, **meta)
+    _launch("dkdv", Nk, B * H, (q4, k4, v4, do4, lse, delta, dkv[0], *qkv_strides, *do4.stride()[:3],
+                                *dkv[1], dkv[2], dkv[3], *tail), q4.dtype, **meta)
 
 
 def _precision(q, precision):
@@ -437,8 +442,10 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         q4, k4, v4, o4, do4 = map(_as_4d, (q, k, v, o, do))
-        dq, dk, dv = _grad_like(q4), _grad_like(k4), _grad_like(v4)
-        _backward(q4, k4, v4, o4, do4, lse, dq, dk, dv, ctx.causal, ctx.scale, ctx.precision)
+        dq_buffer, (dq,) = _grad_buffer(q4, 1)
+        dkv_buffer, (dk, dv) = _grad_buffer(k4, 2)  # dV laid out as dK: one set of strides for the kernel
+        _backward(q4, k4, v4, o4, do4, lse, (dq_buffer, dq.stride()[:3]),
+                  (dkv_buffer, dk.stride()[:3], 0, dk.numel()), ctx.causal, ctx.scale, ctx.precision)
         if q.dim() != 4:
             dq, dk, dv = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
         return dq, dk, dv, None, None, None
@@ -476,9 +483,10 @@ class FlashAttentionQKV(torch.autograd.Function):
         qkv, o, lse = ctx.saved_tensors
         B, H, S, D = o.shape
         do = _as_4d(dy.reshape(B, S, H, D).transpose(1, 2))  # (B, H, S, D), a view of dy when it is contiguous
-        dqkv = torch.empty_like(qkv)  # (B, S, 3*C), contiguous like qkv
-        _backward(*_heads(qkv, ctx.n_head), o, do, lse, *_heads(dqkv, ctx.n_head), ctx.causal, ctx.scale,
-                  ctx.precision)
+        dqkv = torch.empty_like(qkv)  # (B, S, 3*C), contiguous like qkv: q's gradient at 0, k's at C, v's at 2C
+        strides = (S * 3 * H * D, D, 3 * H * D)  # (b, h, n) in it
+        _backward(*_heads(qkv, ctx.n_head), o, do, lse, (dqkv, strides), (dqkv, strides, H * D, 2 * H * D),
+                  ctx.causal, ctx.scale, ctx.precision)
         return dqkv, None, None, None
 
 
@@ -781,7 +789,9 @@ def search_tiles(kernel, B, H, S, D):
     q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = D**-0.5
     o, lse = _forward(q, k, v, True, scale, "tf32")
-    grads = [torch.empty_like(q) for _ in range(3)]
+    dq_buffer, (dq,) = _grad_buffer(q, 1)
+    dkv_buffer, (dk, _) = _grad_buffer(k, 2)
+    dq, dkv = (dq_buffer, dq.stride()[:3]), (dkv_buffer, dk.stride()[:3], 0, dk.numel())
     tuned = TUNED[D]
     rows = []
     for tiles in [tuned[kernel]] + [t for t in TILE_CANDIDATES[kernel] if t != tuned[kernel]]:
@@ -790,7 +800,7 @@ def search_tiles(kernel, B, H, S, D):
             if kernel == "fwd":
                 ms = triton.testing.do_bench(lambda: _forward(q, k, v, True, scale, "tf32"), return_mode="median")
             else:
-                ms = triton.testing.do_bench(lambda: _backward(q, k, v, o, do, lse, *grads, True, scale, "tf32"),
+                ms = triton.testing.do_bench(lambda: _backward(q, k, v, o, do, lse, dq, dkv, True, scale, "tf32"),
                                              return_mode="median")
             rows.append((tiles, ms))
             print(f"  {kernel} {tiles}: {ms:.3f} ms", file=sys.stderr, flush=True)

@@ -1753,6 +1753,12 @@ def test_flash_torch_compile():
             torch.compile(ft.FlashAttention.apply)(q, k, v, True),
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))]
         assert all(rel_err(a.float(), b.float()) < 2e-2 for a, b in zip(ours, ref)), D
+        # the model's path compiled: the three gradients written into c_attn's one (B, S, 3C) gradient
+        qkv = torch.randn(2, 512, 3 * 4 * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        ours, ref = [(y, *torch.autograd.grad(y.float().square().sum(), qkv)) for y in (
+            torch.compile(ft.flash_attention_qkv)(qkv, 4),
+            ft.attention_as_the_model_calls_it("sdpa cudnn", qkv, 4))]
+        assert all(rel_err(a.float(), b.float()) < 2e-2 for a, b in zip(ours, ref)), ("qkv", D)
 
 @gpu
 def test_flash_train_matches_sdpa():
