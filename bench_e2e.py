@@ -54,7 +54,8 @@ FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "co
               "graphs": False, "fused_ce": False, "master": False, "gelu_mm": False, "fp8": False}
 HEADLINE, FP8_RUNG = "+ fused linear-CE", LADDER[-1][0]
 MASTER_RUNG, TRITON_RUNG, GELU_RUNG = (name for name, _ in LADDER[-4:-1])
-HEADLINE_NUMBER = [name for name, _ in LADDER].index(HEADLINE) + 1  # rungs are numbered from 1
+RUNG_NUMBERS = {name: i + 1 for i, (name, _) in enumerate(LADDER)}  # as the table and --rungs number them
+HEADLINE_NUMBER = RUNG_NUMBERS[HEADLINE]
 # All rungs live at once, to run in the same rounds: at B=16 T=1024 each gpt2 keeps 1.5 GB of weights and
 # AdamW moments, the fp32 rung's step ~30 GB of activations, the CUDA graph pool ~10 GB: ~55 GB for the first ten
 # rungs. A rung that does not fit is marked OOM and the others go on; --rungs times a few (the levers, say).
@@ -174,8 +175,7 @@ def run_ladder(config, B, T, device, plan, plot=None, plt=None, chosen=None):
     """chosen: the rung numbers to time (from 1, as the table lists them); None: all."""
     torch._dynamo.reset()  # the compiled rungs compile here, from scratch
     x, y = batch_of(B, T, device)
-    numbers = {name: i + 1 for i, (name, _) in enumerate(LADDER)}
-    ladder = [(name, change) for name, change in LADDER if chosen is None or numbers[name] in chosen]
+    ladder = [(name, change) for name, change in LADDER if chosen is None or RUNG_NUMBERS[name] in chosen]
     variants, skipped = {}, {}
     for name, change, settings in rungs():
         if (name, change) not in ladder:
@@ -197,10 +197,10 @@ def run_ladder(config, B, T, device, plan, plot=None, plt=None, chosen=None):
     for name, _ in ladder:
         t = stats.get(name)
         if t is None:
-            rows.append([f"{numbers[name]:>2} {name}", skipped.get(name, "OOM")] + ["-"] * 5)
+            rows.append([f"{RUNG_NUMBERS[name]:>2} {name}", skipped.get(name, "OOM")] + ["-"] * 5)
             continue
         tok_s = B * T / (t.median / 1e3)
-        rows.append([f"{numbers[name]:>2} {name}", t.ms(), f"{tok_s:,.0f}",
+        rows.append([f"{RUNG_NUMBERS[name]:>2} {name}", t.ms(), f"{tok_s:,.0f}",
                      "-" if prev is None else speedup(times, name, prev),
                      "-" if first is None else speedup(times, name, first), fmt_mfu(mfu(flops * tok_s, device)),
                      "n/a" if t.peak is None else gib(t.peak)])

@@ -484,7 +484,7 @@ class FlashAttentionQKV(torch.autograd.Function):
         B, H, S, D = o.shape
         do = _as_4d(dy.reshape(B, S, H, D).transpose(1, 2))  # (B, H, S, D), a view of dy when it is contiguous
         dqkv = torch.empty_like(qkv)  # (B, S, 3*C), contiguous like qkv: q's gradient at 0, k's at C, v's at 2C
-        strides = (S * 3 * H * D, D, 3 * H * D)  # (b, h, n) in it
+        strides = (dqkv.stride(0), D, dqkv.stride(1))  # (b, h, n) in it
         _backward(*_heads(qkv, ctx.n_head), o, do, lse, (dqkv, strides), (dqkv, strides, H * D, 2 * H * D),
                   ctx.causal, ctx.scale, ctx.precision)
         return dqkv, None, None, None
