@@ -307,32 +307,29 @@ KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_dkdv_kernel, "dq": _attn_dq_ke
 LAUNCHERS = {}  # _launch_key(...) -> (the compiled kernel's launcher for one grid, its constexpr values)
 
 
-def _launch_key(name, grid, args, settings):  # one pass over the arguments: half the Python of three comprehensions
-    key = [name, grid, args[0].device, settings]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() % 16 == 0))  # what Triton specializes a pointer on
-        else:
-            key.append(a)  # sizes, strides, the scale: by value
-    return tuple(key)
+def _launch_key(name, grid, tensors, scalars, settings):
+    pointers = tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])  # what Triton specializes a pointer on
+    return name, grid, tensors[0].device, settings, scalars, pointers  # scalars (sizes, strides, scale) by value
 
 
-def _launch(name, n, BH, args, dtype, **meta):
-    """Launch kernel `name` with its tiles over n rows (queries, or keys for dkdv) of B*H heads."""
+def _launch(name, n, BH, tensors, scalars, **meta):
+    """Launch kernel `name` with its tiles over n rows (queries, or keys for dkdv) of B*H heads: its tensor
+    arguments, then its scalar ones, in the signature's order."""
     if meta["TMA"]:
         # in-kernel descriptors live in a scratch buffer from a per-thread allocator (backward has its own thread)
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
-    bm, bn, warps, stages = _tiles(dtype, meta["D"])[name]
+    bm, bn, warps, stages = _tiles(tensors[0].dtype, meta["D"])[name]
     if name != "fwd":  # the diagonal's sub-tile: half of the dimension that iterates, at least a dot's 16
         meta["DIAG"] = max((bm if name == "dkdv" else bn) // 2, 16)
     tile = bn if name == "dkdv" else bm
-    grid = (triton.cdiv(n, tile), BH, 1)
+    grid = ((n + tile - 1) // tile, BH, 1)  # (triton.cdiv costs microseconds a call on the host in newer Triton)
     meta.update(BLOCK_M=bm, BLOCK_N=bn)
     kernel = KERNELS[name]
+    args = (*tensors, *scalars)
     if INTERPRETED or torch.compiler.is_compiling():  # nothing compiled to keep; torch.compile traces kernel[grid]
         kernel[grid](*args, **meta, num_warps=warps, num_stages=stages)
         return
-    key = _launch_key(name, grid, args, (*meta.items(), warps, stages))
+    key = _launch_key(name, grid, tensors, scalars, (*meta.items(), warps, stages))
     kept = LAUNCHERS.get(key)
     if kept is None:  # the first call with these values: Triton specializes, compiles (or loads) and launches
         compiled = kernel[grid](*args, **meta, num_warps=warps, num_stages=stages)
@@ -387,8 +384,8 @@ def _forward(q4, k4, v4, causal, scale, precision):
     B, H, Nq, D = q4.shape
     o = torch.empty(B, Nq, H, D, device=q4.device, dtype=q4.dtype).transpose(1, 2)
     lse = torch.empty(B, H, Nq, device=q4.device, dtype=torch.float32)
-    _launch("fwd", Nq, B * H, (q4, k4, v4, o, lse, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3],
-                               *o.stride()[:3], H, Nq, k4.shape[2], scale * LOG2E), q4.dtype,
+    _launch("fwd", Nq, B * H, (q4, k4, v4, o, lse),
+            (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o.stride()[:3], H, Nq, k4.shape[2], scale * LOG2E),
             CAUSAL=causal, D=D, PRECISION=precision, TMA=_use_tma(q4, k4, v4))
     return o, lse
 
@@ -405,10 +402,10 @@ def _backward(q4, k4, v4, o4, do4, lse, dq, dkv, causal, scale, precision):
     tail = (H, Nq, Nk, scale * LOG2E, scale)
     meta = dict(CAUSAL=causal, D=D, PRECISION=precision, TMA=_use_tma(q4, k4, v4, do4))
     # dQ first: it also writes D = rowsum(dO * O), which the dK/dV kernel reads. No atomics.
-    _launch("dq", Nq, B * H, (q4, k4, v4, o4, do4, lse, delta, dq[0], *qkv_strides, *o4.stride()[:3],
-                              *do4.stride()[:3], *dq[1], *tail), q4.dtype, **meta)
-    _launch("dkdv", Nk, B * H, (q4, k4, v4, do4, lse, delta, dkv[0], *qkv_strides, *do4.stride()[:3],
-                                *dkv[1], dkv[2], dkv[3], *tail), q4.dtype, **meta)
+    _launch("dq", Nq, B * H, (q4, k4, v4, o4, do4, lse, delta, dq[0]),
+            (*qkv_strides, *o4.stride()[:3], *do4.stride()[:3], *dq[1], *tail), **meta)
+    _launch("dkdv", Nk, B * H, (q4, k4, v4, do4, lse, delta, dkv[0]),
+            (*qkv_strides, *do4.stride()[:3], *dkv[1], dkv[2], dkv[3], *tail), **meta)
 
 
 def _precision(q, precision):

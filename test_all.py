@@ -1677,7 +1677,7 @@ def test_flash_launch_key_follows_what_triton_specializes():
     with unittest.mock.patch.dict(os.environ):  # on a CPU its import sets TRITON_INTERPRET=1: not for other tests
         import flash_triton as ft
     def key(t, tiles=(64, 64)):
-        return ft._launch_key("fwd", (1, 1, 1), (t, t.stride(0), t.shape[0], 0.125), tiles)
+        return ft._launch_key("fwd", (1, 1, 1), (t,), (t.stride(0), t.shape[0], 0.125), tiles)
     a, b = torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16)
     odd = torch.zeros(64 * 64 + 1, dtype=torch.bfloat16)[1:].view(64, 64)
     assert a.data_ptr() != b.data_ptr() and key(a) == key(b)
