@@ -37,6 +37,9 @@ from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, 
                  use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
+HEADLINE = "+ fused linear-CE"  # = python train.py --vocab 50304 --bf16 --compile
+MASTER_RUNG, TRITON_RUNG = "+ bf16 weights kept by the optimizer", "+ our Triton attention"
+GELU_RUNG, FP8_RUNG = "+ GELU inside the MLP's matmuls", "+ FP8 block Linears (forced)"
 LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ TF32 matmuls", {"tf32": True}),
           ("+ bf16 autocast", {"dtype": torch.bfloat16}),
@@ -44,16 +47,23 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ vocab 50304", {"vocab": 50304}),
           ("+ torch.compile (PDL)", {"compile": True}),  # gpt.compile_model, train.py's compile
           ("+ CUDA graphs", {"graphs": True}),
-          ("+ fused linear-CE", {"fused_ce": True}),  # = python train.py --vocab 50304 --bf16 --compile
+          (HEADLINE, {"fused_ce": True}),
           # levers past the headline: each is the headline plus its own change, timed against the headline
-          ("+ bf16 weights kept by the optimizer", {"master": True}),  # gpt.MasterWeights, not in train.py
-          ("+ our Triton attention", {"attn": "triton"}),  # flash_triton.py: train.py --attn triton
-          ("+ GELU inside the MLP's matmuls", {"gelu_mm": True}),  # gpt.GeluMLP
-          ("+ FP8 block Linears (forced)", {"fp8": True}))
+          (MASTER_RUNG, {"master": True}),
+          (TRITON_RUNG, {"attn": "triton"}),
+          (GELU_RUNG, {"gelu_mm": True}),
+          (FP8_RUNG, {"fp8": True}))
+LEVER_NOTES = {  # printed under the table for each lever that ran
+    MASTER_RUNG: "gpt.MasterWeights, the blocks' Linear weights bf16 in the model and fp32 in the optimizer, whose "
+                 "AdamW kernel writes the bf16 copy; not in train.py (no DDP, FSDP or checkpoints)",
+    TRITON_RUNG: "flash_triton.py's kernels on c_attn's whole output instead of SDPA (cuDNN here): "
+                 "python train.py --vocab 50304 --bf16 --compile --attn triton",
+    GELU_RUNG: "gpt.GeluMLP, c_fc's output read through GELU by the matmuls around it (Triton kernels): GELU's "
+               "output and the gradient before it never written; not in train.py",
+    FP8_RUNG: "gpt.use_fp8(model, min_width=0), all four Linears of each block; by default use_fp8 (train.py "
+              f"--fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)"}
 FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False,
               "graphs": False, "fused_ce": False, "master": False, "gelu_mm": False, "fp8": False}
-HEADLINE, FP8_RUNG = "+ fused linear-CE", LADDER[-1][0]
-MASTER_RUNG, TRITON_RUNG, GELU_RUNG = (name for name, _ in LADDER[-4:-1])
 RUNG_NUMBERS = {name: i + 1 for i, (name, _) in enumerate(LADDER)}  # as the table and --rungs number them
 HEADLINE_NUMBER = RUNG_NUMBERS[HEADLINE]
 # All rungs live at once, to run in the same rounds: at B=16 T=1024 each gpt2 keeps 1.5 GB of weights and
@@ -213,18 +223,9 @@ def run_ladder(config, B, T, device, plan, plot=None, plt=None, chosen=None):
                  "MFU", "peak alloc (GiB)"], rows)
     if (config.n_layer, config.n_embd, B, T) == (12, 768, 16, 1024) and stats.get(HEADLINE):
         print(f"'{HEADLINE}' is train.py's headline configuration: python train.py --vocab 50304 --bf16 --compile")
-    if stats.get(MASTER_RUNG):
-        print(f"'{MASTER_RUNG}': gpt.MasterWeights, the blocks' Linear weights bf16 in the model and fp32 in the "
-              "optimizer, whose AdamW kernel writes the bf16 copy; not in train.py (no DDP, FSDP or checkpoints)")
-    if stats.get(TRITON_RUNG):
-        print(f"'{TRITON_RUNG}': flash_triton.py's kernels on c_attn's whole output instead of SDPA (cuDNN here): "
-              "python train.py --vocab 50304 --bf16 --compile --attn triton")
-    if stats.get(GELU_RUNG):
-        print(f"'{GELU_RUNG}': gpt.GeluMLP, c_fc's output read through GELU by the matmuls around it (Triton "
-              "kernels): GELU's output and the gradient before it never written; not in train.py")
-    if stats.get(FP8_RUNG):
-        print(f"'{FP8_RUNG}': gpt.use_fp8(model, min_width=0), all four Linears of each block; by default use_fp8 "
-              f"(train.py --fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)")
+    for name, note in LEVER_NOTES.items():
+        if stats.get(name):
+            print(f"'{name}': {note}")
     if plt is not None and first is not None:
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         plot_ladder(plt, plot, [n for n, _ in ladder if stats.get(n)], stats, f"train step, B={B} T={T}, {where}")
