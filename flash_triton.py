@@ -464,7 +464,7 @@ class FlashAttentionQKV(torch.autograd.Function):
     def forward(ctx, qkv, n_head, is_causal=True, scale=None):
         if qkv.dim() != 3 or qkv.shape[-1] % (3 * n_head):
             raise ValueError(f"qkv must be (batch, seq, 3 * heads * d) with {n_head} heads; got {tuple(qkv.shape)}")
-        qkv = qkv if qkv.is_contiguous() else qkv.contiguous()
+        qkv = qkv.contiguous()  # (itself when it already is: c_attn's output)
         q, k, v = _heads(qkv, n_head)
         check_inputs(q, k, v, is_causal, "ieee")
         precision = _precision(q, None)
