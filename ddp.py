@@ -1071,13 +1071,13 @@ def gather(obj):
     dist.all_gather_object(out, obj)
     return out
 
-def run_rank(rank, world, backend, worker, timeout, tmp):
+def run_rank(rank, world, backend, worker, timeout, tmp, threads):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: the parent stops them all
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:  # ranks share the cores: left alone, each would start a thread per core and they thrash
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    else:
+        torch.set_num_threads(threads)
     # the timeout turns a rank that never arrives (a crash, an OOM on one GPU) into an error
     dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout), device_id=device if backend == "nccl" else None)
@@ -1095,7 +1095,14 @@ def launch(worker, world, backend, timeout):
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # no line per rank stopped
     with tempfile.TemporaryDirectory() as tmp:
         method = "spawn" if backend == "nccl" or torch.cuda.is_available() else "fork"
-        ranks = mp.start_processes(run_rank, (world, backend, worker, timeout, tmp), world, False, start_method=method)
+        # CPU ranks share the cores: left alone, each would start a thread per core and they would thrash. A forked
+        # rank gets one thread: GNU OpenMP's thread pool does not survive a fork, and a forked child that asks it
+        # for several threads waits for them forever (DataLoader's forked workers run on one thread for this reason)
+        threads = 1
+        if method == "spawn":
+            threads = max(1, (os.cpu_count() or 1) // world)
+        args = (world, backend, worker, timeout, tmp, threads)
+        ranks = mp.start_processes(run_rank, args, world, False, start_method=method)
         try:
             while not ranks.join():
                 pass

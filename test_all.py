@@ -1337,6 +1337,17 @@ def kill_rank_one(rank, *_):
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
 
+def rank_threads(rank, world, device):  # a ddp.launch worker: how many threads its rank may use
+    return torch.get_num_threads()
+
+def test_ddp_forked_ranks_ask_for_one_thread():
+    """A CPU rank forked from a process whose OpenMP threads have run hangs if it asks for several (GNU OpenMP's pool
+    does not survive a fork); spawned ranks (where CUDA exists) share the cores. 64 cores, as on a big host."""
+    torch.ones(1024, 1024).sum()  # this process's thread pool has run
+    with unittest.mock.patch("os.cpu_count", return_value=64):
+        threads = ddp.launch(rank_threads, 2, "gloo", 60)
+    assert threads == (32 if torch.cuda.is_available() else 1), threads
+
 def test_ddp_selftest_matches_one_process():
     """On 2 and 4 gloo ranks every wrapper ends with one process's weights; a wrapper that never averages is caught."""
     n = len(ddp.TOY_VARIANTS)
