@@ -802,7 +802,8 @@ def search_tiles(kernel, B, H, S, D):
             rows.append((tiles, ms))
             print(f"  {kernel} {tiles}: {ms:.3f} ms", file=sys.stderr, flush=True)
         except Exception as e:  # out of shared memory or registers: a row, and the search goes on
-            rows.append((tiles, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:60]}"))
+            first_sentence = str(e).strip().splitlines()[0].split(". ")[0]  # "out of resource: shared memory, ..."
+            rows.append((tiles, first_sentence[:80] or type(e).__name__))
         finally:
             TUNED[D] = tuned
     return rows
@@ -819,11 +820,11 @@ def report_tiles(kernel, shape, rows):
         if not isinstance(today_ms, str):
             vs = f"{ms / today_ms:.3f}x"
         name = f"{tiles} (TUNED today)" if tiles == today else str(tiles)
-        table.append([name, f"{ms:.3f}", vs])
-    table += [[str(tiles), why, "n/a"] for tiles, why in rows if isinstance(why, str)]
+        table.append([name, f"{ms:.3f}", vs, ""])
+    table += [[str(tiles), "-", "n/a", why] for tiles, why in rows if isinstance(why, str)]
     what = "forward" if kernel == "fwd" else "backward (dQ, then dK/dV)"
     print(f"\n{kernel} tiles at B{B} H{H} S{S} D{D} bf16, causal: the {what} pass, do_bench median ms")
-    print_table(["(BLOCK_M, BLOCK_N, warps, stages)", "ms", "vs TUNED"], table)
+    print_table(["(BLOCK_M, BLOCK_N, warps, stages)", "ms", "vs TUNED", "why not timed"], table)
     if timed:
         print(f"summary: fastest {kernel} tiles at D{D}: {timed[0][0]}, {timed[0][1]:.3f} ms, {table[0][2]} of "
               f"today's {today}")
