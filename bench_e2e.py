@@ -9,7 +9,7 @@ shows what the first steps pay for; --profile groups the step's kernels and sets
 --nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
-    python bench_e2e.py --ladder --rungs 8,9,10,11     # the headline and three levers, paired against it
+    python bench_e2e.py --ladder --rungs 9,10,11,12    # the headline and three levers, paired against it
     python bench_e2e.py --nanogpt ../nanoGPT
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
     python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
@@ -37,7 +37,7 @@ from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, 
                  use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
-HEADLINE = "+ fused linear-CE"  # = python train.py --vocab 50304 --bf16 --compile
+HEADLINE = "+ residual adds fused into LayerNorm"  # = python train.py --vocab 50304 --bf16 --compile
 MASTER_RUNG, TRITON_RUNG = "+ bf16 weights kept by the optimizer", "+ our Triton attention"
 GELU_RUNG, FP8_RUNG = "+ GELU inside the MLP's matmuls", "+ FP8 block Linears (forced)"
 LADDER = (("fp32, naive attention, vocab 50257", {}),
@@ -47,7 +47,8 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ vocab 50304", {"vocab": 50304}),
           ("+ torch.compile (PDL)", {"compile": True}),  # gpt.compile_model, train.py's compile
           ("+ CUDA graphs", {"graphs": True}),
-          (HEADLINE, {"fused_ce": True}),
+          ("+ fused linear-CE", {"fused_ce": True}),
+          (HEADLINE, {"fused_norms": True}),  # gpt.py section 5
           # levers past the headline: each is the headline plus its own change, timed against the headline
           (MASTER_RUNG, {"master": True}),
           (TRITON_RUNG, {"attn": "triton"}),
@@ -62,8 +63,8 @@ LEVER_NOTES = {  # printed under the table for each lever that ran
                "output and the gradient before it never written; not in train.py",
     FP8_RUNG: "gpt.use_fp8(model, min_width=0), all four Linears of each block; by default use_fp8 (train.py "
               f"--fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)"}
-FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False,
-              "graphs": False, "fused_ce": False, "master": False, "gelu_mm": False, "fp8": False}
+FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False, "graphs": False,
+              "fused_ce": False, "fused_norms": False, "master": False, "gelu_mm": False, "fp8": False}
 RUNG_NUMBERS = {name: i + 1 for i, (name, _) in enumerate(LADDER)}  # as the table and --rungs number them
 HEADLINE_NUMBER = RUNG_NUMBERS[HEADLINE]
 # All rungs live at once, to run in the same rounds: at B=16 T=1024 each gpt2 keeps 1.5 GB of weights and
@@ -107,7 +108,8 @@ class Plan:
     compile: bool = False
 
 def build(config, s, device):
-    config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"], gelu_in_matmul=s["gelu_mm"])
+    config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"],
+                     fused_norms=s["fused_norms"], gelu_in_matmul=s["gelu_mm"])
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU: a 2.7B model takes minutes on the CPU
         model = GPT(config)
@@ -358,14 +360,18 @@ def sweep_step(benches, config, s, mode, B, T, device):
 def held_by(benches, vocab):  # bytes the model of this vocabulary keeps, for gpt.lazily
     return held_bytes(benches.get(vocab))
 
+def flag_settings(plan, vocab):
+    """The sweep's, warm-up table's and profile's step: train.py's with these flags (fused loss and norms on)."""
+    return {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": vocab,
+            "compile": plan.compile, "fused_ce": True, "fused_norms": True}
+
 def sweep_cells(name, config, plan, device):
     """{(vocab, batch, seq, mode): variant}, one model per vocabulary shared by its cells. Train cells warm up
     first, so AdamW's state exists and every cell's peak counts it. Without warm-up every model is built here,
     before the timer starts: the first round pays for the rest (allocation, compilation)."""
     benches, variants = {}, {}
     for vocab, B, T, mode in product(plan.vocab, plan.batch, plan.seq, sorted(plan.modes, key="train".__ne__)):
-        s = {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": vocab,
-             "compile": plan.compile, "fused_ce": True}
+        s = flag_settings(plan, vocab)
         make = partial(sweep_step, benches, config, s, mode, B, T, device)
         if plan.warmup == 0:
             variants[(vocab, B, T, mode)] = make()
@@ -465,13 +471,11 @@ def warmup_row(config, s, mode, warmup, settled, x, y, device):
 
 def run_warmup_table(name, config, plan, settled, device):
     B, T, cuda = plan.batch[0], plan.seq[0], device.type == "cuda"
-    s = {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": plan.vocab[0],
-         "fused_ce": True}
+    s = flag_settings(plan, plan.vocab[0])
     x, y = batch_of(B, T, device)
     # once a process: a throwaway eager model's first steps (CUDA context, cuBLAS/cuDNN handles and plans, kernels
     # loaded at first use), so that the rows below show what each new model pays
-    first = warmup_row(config, s, "train", 0, 0, x, y, device)[0]
-    s = {**s, "compile": plan.compile}
+    first = warmup_row(config, {**s, "compile": False}, "train", 0, 0, x, y, device)[0]
     rows, ratios = [], {}
     for mode, warmup in product(plan.modes, WARMUPS):
         print(f"  {mode}, {warmup} warm-up steps", file=sys.stderr, flush=True)
@@ -857,14 +861,12 @@ def device_line(device, nvtx):
     return f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16 peak {peak_text}"
 
 def run_profile(name, config, plan, device, trace):
-    s = {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": plan.vocab[0],
-         "compile": plan.compile, "fused_ce": True}
-    bench = build(config, s, device)
+    bench = build(config, flag_settings(plan, plan.vocab[0]), device)
     B, T = plan.batch[0], plan.seq[0]
     what = "CPU time of each op (no GPU: ops, not kernels)"
     if device.type == "cuda":
         what = "GPU kernel time"
-    print(f"\nprofile of {name} V={s['vocab']} B={B} T={T}, {plan.steps} steps each: {what}")
+    print(f"\nprofile of {name} V={plan.vocab[0]} B={B} T={T}, {plan.steps} steps each: {what}")
     profs = profile_steps(bench, B, T, device, plan.warmup, plan.steps)
     print_profile(profs, bench, B, T, plan.steps, device, trace)
 

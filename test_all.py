@@ -237,17 +237,23 @@ def test_adamw_to_bf16_gpu_rounds_as_autocast():
     assert torch.equal(gpu[3], gpu[0].to(torch.bfloat16))
     assert all((a - b.cpu()).abs().max() <= 1e-6 * a.abs().max() for a, b in zip(cpu[:3], gpu[:3]))
 
-def gelu_mlp_matches_plain(device, dtype, tol):
-    """A tiny GPT with GELU inside the MLP's matmuls (GeluMLP) against the same weights with the plain MLP: loss and
-    every gradient."""
+def gelu_in_matmul(model, on):  # a switch for matches_plain: GeluMLP in every block
+    for block in model.h:
+        block.mlp.gelu_in_matmul = on
+
+def fused_norms(model, on):  # a switch for matches_plain: each residual add fused with the LayerNorm after it
+    model.config.fused_norms = on
+
+def matches_plain(switch, device, dtype, tol):
+    """A tiny GPT with switch(model, True) against the same weights with switch(model, False): loss and every
+    gradient, the largest relative difference under tol."""
     config = gpt.make_config("tiny")
     torch.manual_seed(0)
     model = gpt.GPT(config).to(device)
     idx = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(5)).to(device)
     results = {}
     for fused in (False, True):
-        for block in model.h:
-            block.mlp.gelu_in_matmul = fused
+        switch(model, fused)
         model.zero_grad()
         with gpt.autocast(device, dtype):
             _, loss = model(idx, idx)
@@ -259,7 +265,7 @@ def gelu_mlp_matches_plain(device, dtype, tol):
 def test_gelu_mlp_matches_plain_and_kernel_matches_torch():
     """GeluMLP (GELU inside the MLP's matmuls) trains the model the plain MLP trains (CPU, fp32); its matmul kernel
     (CUDA's path; here interpreted) = its PyTorch path for each of GELU on A, GELU on B, GELU'(H) and the bias."""
-    gelu_mlp_matches_plain("cpu", None, 1e-5)
+    matches_plain(gelu_in_matmul, "cpu", None, 1e-5)
     assert "kernel ok" in run("-c", r"""
 import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
 gen = torch.Generator().manual_seed(0)
@@ -281,7 +287,34 @@ print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
 
 @gpu
 def test_gelu_mlp_gpu_matches_plain_bf16():
-    gelu_mlp_matches_plain("cuda", torch.bfloat16, 3e-2)
+    matches_plain(gelu_in_matmul, "cuda", torch.bfloat16, 3e-2)
+
+def test_fused_norms_match_plain_and_kernels_match_torch():
+    """The fused norms' loop (GPT.fused_norm_blocks) runs the model Block.forward runs (CPU, fp32: the same ops, so
+    equal); the add + LayerNorm kernels (CUDA's path; here interpreted) = PyTorch's add and layer_norm, forward and
+    backward, with a ragged last program (37 rows) and a ragged row (96 of 128 lanes)."""
+    matches_plain(fused_norms, "cpu", None, 1e-6)
+    assert "kernel ok" in run("-c", r"""
+import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
+gen = torch.Generator().manual_seed(0)
+N, C = 37, 96
+x, y = torch.randn(N, C, generator=gen).requires_grad_(), (0.5 * torch.randn(N, C, generator=gen)).requires_grad_()
+norm = torch.nn.LayerNorm(C)
+with torch.no_grad():  # not the identity LayerNorm a new module is
+    norm.weight.add_(0.1 * torch.randn(C, generator=gen))
+    norm.bias.add_(0.1 * torch.randn(C, generator=gen))
+dr, dh = torch.randn(N, C, generator=gen), torch.randn(N, C, generator=gen)  # the stream's and LN's gradients
+results = []
+for r, h in (gpt.add_layer_norm(x, y, norm, torch.float32), gpt.AddLayerNorm.apply(x, y, norm.weight, norm.bias,
+                                                                                   norm.eps, torch.float32)):
+    results.append([r, h, *torch.autograd.grad((r, h), (x, y, norm.weight, norm.bias), (dr, dh))])
+for name, want, got in zip(("r", "h", "dx", "dy", "dw", "db"), *results):
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (name, (got - want).abs().max())
+print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
+
+@gpu
+def test_fused_norms_gpu_match_plain_bf16():
+    matches_plain(fused_norms, "cuda", torch.bfloat16, 3e-2)
 
 def attention_matches_naive(impl, device, dtype, tol):
     """A tiny GPT's logits and gradients with attention `impl` = naive attention's; False if impl cannot run here."""
@@ -450,7 +483,8 @@ def reference():  # TINY on one process: every variant, resume and layout (same 
     return train_main(*TINY, "--sample", 8)
 
 def test_train_cpu_learns_variants_agree_nan_stops():
-    """Val loss falls; --recompute 1 is exact, --grad-accum 2, --no-fused-ce agree; a NaN stops at the step named."""
+    """Val loss falls; --recompute 1 and --no-fused-norms are exact, --grad-accum 2, --no-fused-ce agree; a NaN stops
+    at the step named."""
     ref, out = reference()
     steps = [int(ln.split()[1]) for ln in out.splitlines() if "| loss" in ln]
     assert out.startswith("device: cpu") and steps == [*range(8)]
@@ -461,6 +495,7 @@ def test_train_cpu_learns_variants_agree_nan_stops():
     accum = train_main(*TINY, "--stop-after", 3, "--batch", 2, "--grad-accum", 2)[0]
     torch.testing.assert_close(accum, ref[:3], **LAYOUT)
     torch.testing.assert_close(train_main(*TINY, "--stop-after", 3, "--no-fused-ce")[0], ref[:3], rtol=1e-3, atol=0)
+    assert train_main(*TINY, "--stop-after", 3, "--no-fused-norms")[0] == ref[:3]  # on a CPU the same ops
     finite, out = train_main(*TINY, "--lr", 1e9, "--warmup", 1, code=1)  # each step before the one named: finite
     assert f"stopped: loss is nan at step {len(finite)}; likely cause: a learning rate" in out.splitlines()[-1], out
 
@@ -797,7 +832,7 @@ def test_bench_e2e_ladder_cpu():
                                "--plot", png)
     numbered = tuple(f"{i + 1:>2} {name}" for i, (name, _) in enumerate(bench_e2e.LADDER))
     rows = [line for line in out.splitlines() if line.startswith(numbered)]
-    expect = [(0, 0), (1, 0), (0, 2), (0, 2), (0, 2)] + [(1, 0)] * 7  # (skipped, speed-ups): GPU-only, compiled
+    expect = [(0, 0), (1, 0), (0, 2), (0, 2), (0, 2)] + [(1, 0)] * 8  # (skipped, speed-ups): GPU-only, compiled
     assert code == 0 and [(r.count("skipped"), r.count("x (")) for r in rows] == expect, err + out
     assert out.strip().splitlines()[-1].startswith("ladder:") and bench_e2e.starts_with(b"\x89PNG\r\n\x1a\n")(png)
     code, out, err = call_main("bench_e2e.py", "--device", "cpu", "--ladder", "--batch", 1, "--seq", 16, "--rounds", 2,
@@ -1001,11 +1036,13 @@ def lever_curves(device, levers, steps=200, seeds=(0, 1, 2), B=4, T=64):
 
 @gpu
 def test_bench_e2e_gpu_levers_train_as_the_headline():
-    """Each lever past the headline (bf16 weights kept by the optimizer, our Triton attention, GELU inside the MLP's
-    matmuls; not FP8, which changes the arithmetic) is the same model and math: over 200 steps and three data seeds
-    its loss curve stays within bf16 noise of the headline's (mean difference under 1% of the loss, the last 20
-    steps' mean within 1%), and the loss falls."""
-    levers = [bench_e2e.MASTER_RUNG, bench_e2e.TRITON_RUNG, bench_e2e.GELU_RUNG]
+    """The rung before the headline (its residual adds and LayerNorms apart) and each lever past it (bf16 weights
+    kept by the optimizer, our Triton attention, GELU inside the MLP's matmuls; not FP8, which changes the
+    arithmetic) is the same model and math: over 200 steps and three data seeds its loss curve stays within bf16
+    noise of the headline's (mean difference under 1% of the loss, the last 20 steps' mean within 1%), and the loss
+    falls."""
+    before = bench_e2e.LADDER[bench_e2e.HEADLINE_NUMBER - 2][0]
+    levers = [before, bench_e2e.MASTER_RUNG, bench_e2e.TRITON_RUNG, bench_e2e.GELU_RUNG]
     curves = lever_curves("cuda", levers)
     for name in levers:
         for seed, (ours, head) in enumerate(zip(curves[name], curves[bench_e2e.HEADLINE])):

@@ -1,12 +1,13 @@
 """Train GPT-2 on Tiny Shakespeare, as fast as one GPU (or several) allows.
 
 Each flag is a speed-up the other scripts measure: --tf32, --bf16 / --fp16, --attn, --vocab 50304, --compile
-(on one GPU with CUDA graphs), --fp8 (H100/H200, in the block layers wide enough to gain), and the output
-layer fused with the loss (--no-fused-ce turns it off). The loop never makes the GPU wait: a step's loss is
-read back while the GPU runs the next. Several GPUs: torchrun, DDP or --fsdp (FSDP2: weights, gradients and
-optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C saves
---ckpt and prints how to resume. --nvtx names each step and its phases for Nsight Systems (nsys profile --trace=
-cuda,nvtx). Without CUDA the same command trains `tiny` on a short context.
+(on one GPU with CUDA graphs), --fp8 (H100/H200, in the block layers wide enough to gain); on by default, the
+output layer fused with the loss (--no-fused-ce turns it off) and each residual add fused with the LayerNorm
+after it (--no-fused-norms). The loop never makes the GPU wait: a step's loss is read back while the GPU runs the
+next. Several GPUs: torchrun, DDP or --fsdp (FSDP2: weights, gradients and optimizer state sharded); --recompute K
+recomputes every K-th block's activations in backward. Ctrl-C saves --ckpt and prints how to resume. --nvtx names
+each step and its phases for Nsight Systems (nsys profile --trace=cuda,nvtx). Without CUDA the same command trains
+`tiny` on a short context.
 
     python train.py --vocab 50304 --bf16 --compile                 # the headline run
     python train.py --vocab 50304 --bf16 --compile --fp8 0         # FP8 in every block (--fp8: >= 2048 wide)
@@ -433,6 +434,8 @@ def parse_args(argv):
     p.add_argument("--fp8", type=int_in(0), nargs="?", const=FP8_MIN_WIDTH, metavar="MIN_WIDTH", help="FP8 matmuls "
                    f"(H100/H200, with --bf16) in block Linears MIN_WIDTH wide (default {FP8_MIN_WIDTH}; 0: all)")
     p.add_argument("--no-fused-ce", action="store_true", help="materialise the logits for the loss (unfused)")
+    p.add_argument("--no-fused-norms", action="store_true", help="residual adds and LayerNorms as separate ops "
+                   "(fused by default, except with --fsdp or --recompute)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--attn", default="sdpa", choices=ATTENTION, help="attention implementation (default sdpa)")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (under torchrun, 2+ processes)")
@@ -484,6 +487,7 @@ class Run:
     tf32: bool
     fp8: int
     fused_ce: bool
+    fused_norms: bool
     compile: bool
     attn: str
     fsdp: bool
@@ -512,7 +516,8 @@ def settings(args, argv, device):
                stop_after=args.stop_after, grad_accum=args.grad_accum, lr=args.lr,
                min_lr=min_lr, warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                eval_every=args.eval_every, eval_steps=args.eval_steps, bf16=args.bf16, fp16=args.fp16,
-               tf32=args.tf32, fp8=args.fp8, fused_ce=not args.no_fused_ce, compile=args.compile, attn=args.attn,
+               tf32=args.tf32, fp8=args.fp8, fused_ce=not args.no_fused_ce,
+               fused_norms=not args.no_fused_norms, compile=args.compile, attn=args.attn,
                fsdp=args.fsdp, recompute=args.recompute or 0, sample=args.sample, seed=args.seed, data=args.data,
                ckpt=args.ckpt, resume=args.resume, argv=tuple(argv))
 
@@ -538,7 +543,10 @@ def check_flags(args):
 
 def check_model(run, device):
     """The model's config, or a ValueError: sizes within the preset, the device able to run the flags."""
-    config = make_config(run.model, vocab_size=run.vocab, attn=run.attn, fused_ce=run.fused_ce)
+    # FSDP gathers a block's weights when the block is called; the fused norms read the next block's ln_1 before
+    fused_norms = run.fused_norms and not run.fsdp
+    config = make_config(run.model, vocab_size=run.vocab, attn=run.attn, fused_ce=run.fused_ce,
+                         fused_norms=fused_norms)
     if run.recompute > config.n_layer:
         raise ValueError(f"--recompute {run.recompute} is above the {config.n_layer} layers of '{run.model}'")
     config.recompute = run.recompute
