@@ -408,8 +408,7 @@ def _add_layer_norm_fwd(X, Y, W, B, R, H, Mean, Rstd, n_rows, C, eps, BLOCK: tl.
 
 
 @triton.jit
-def _add_layer_norm_bwd(DH, DR_in, R, W, Mean, Rstd, DR, DY, DW_part, DB_part, n_rows, C,
-                        BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _add_layer_norm_bwd(DH, DR_in, R, W, Mean, Rstd, DR, DY, Parts, n_rows, C, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     # dr = dr_in + LN'(dh): g = dh * w, xhat = (r - mean) * rstd, dr = dr_in + rstd (g - mean(g) - xhat mean(g xhat));
     # dy = dr (the add passes its gradient to both inputs); dw += dh * xhat and db += dh over the program's rows
     cols = tl.arange(0, BLOCK)
@@ -421,18 +420,20 @@ def _add_layer_norm_bwd(DH, DR_in, R, W, Mean, Rstd, DR, DY, DW_part, DB_part, n
         row = tl.program_id(0) * ROWS + i
         if row < n_rows:
             at = row.to(tl.int64) * C + cols
+            rstd = tl.load(Rstd + row)
             r = tl.load(R + at, mask=inside, other=0.0).to(tl.float32)
-            xhat = tl.where(inside, (r - tl.load(Mean + row)) * tl.load(Rstd + row), 0.0)
+            xhat = tl.where(inside, (r - tl.load(Mean + row)) * rstd, 0.0)
             dh = tl.load(DH + at, mask=inside, other=0.0).to(tl.float32)
             g = dh * w
             dx_hat = g - (xhat * tl.sum(xhat * g, 0) + tl.sum(g, 0)) / C
-            dr = tl.load(DR_in + at, mask=inside, other=0.0).to(tl.float32) + dx_hat * tl.load(Rstd + row)
+            dr = tl.load(DR_in + at, mask=inside, other=0.0).to(tl.float32) + dx_hat * rstd
             tl.store(DR + at, dr.to(DR.dtype.element_ty), mask=inside)  # fp32, down the residual stream
             tl.store(DY + at, dr.to(DY.dtype.element_ty), mask=inside)  # bf16 under autocast, into the branch
             dw += dh * xhat
             db += dh
-    tl.store(DW_part + tl.program_id(0) * C + cols, dw, mask=inside)  # summed over the programs by the caller
-    tl.store(DB_part + tl.program_id(0) * C + cols, db, mask=inside)
+    # Parts (2, programs, C): this program's rows of dw and db, summed over the programs by the caller
+    tl.store(Parts + tl.program_id(0) * C + cols, dw, mask=inside)
+    tl.store(Parts + (tl.num_programs(0) + tl.program_id(0)) * C + cols, db, mask=inside)
 
 
 class AddLayerNorm(torch.autograd.Function):
@@ -459,11 +460,10 @@ class AddLayerNorm(torch.autograd.Function):
         rows, warps = ADD_LN_BWD_TILE
         grid = (triton.cdiv(N, rows),)
         dr, dy = torch.empty_like(r), torch.empty(N, C, device=r.device, dtype=ctx.y_dtype)
-        dw_part = torch.empty(grid[0], C, device=r.device, dtype=torch.float32)  # (programs, C)
-        db_part = torch.empty(grid[0], C, device=r.device, dtype=torch.float32)
-        _add_layer_norm_bwd[grid](dh.contiguous(), dr_in.contiguous(), r, weight, mean, rstd, dr, dy, dw_part, db_part,
-                                  N, C, BLOCK=triton.next_power_of_2(C), ROWS=rows, num_warps=warps)
-        dw, db = dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(weight.dtype)
+        parts = torch.empty(2, grid[0], C, device=r.device, dtype=torch.float32)  # (dw or db, programs, C)
+        _add_layer_norm_bwd[grid](dh.contiguous(), dr_in.contiguous(), r, weight, mean, rstd, dr, dy, parts, N, C,
+                                  BLOCK=triton.next_power_of_2(C), ROWS=rows, num_warps=warps)
+        dw, db = parts.sum(1).to(weight.dtype)  # one reduction for both
         return dr, dy, dw, db, None, None
 
 
