@@ -1756,19 +1756,21 @@ def test_flash_kept_launchers_same_answer_new_alignment_new_kernel():
 
 @gpu
 def test_flash_tile_search_times_candidates_today_first():
-    """--tiles: today's TUNED tiles first, every candidate timed (or its failure a row), TUNED left as it was."""
+    """--tiles: today's tiles for the shape first (TUNED, or SHORT_TUNED up to SHORT_SEQ tokens), every candidate
+    timed (or its failure a row), both tables left as they were."""
     import flash_triton as ft
     ft.TILE_CANDIDATES = {"dkdv": [(32, 64, 4, 2), (64, 64, 4, 2)], "fwd": [(64, 64, 4, 2), (128, 128, 8, 3)]}
-    before = {D: dict(t) for D, t in ft.TUNED.items()}
-    for kernel in ("dkdv", "fwd"):
-        rows = ft.search_tiles(kernel, 1, 2, 512, 64)
-        assert rows[0][0] == ft.TUNED[64][kernel] and len(rows) == 1 + sum(t != rows[0][0] for t in
-                                                                           ft.TILE_CANDIDATES[kernel]), rows
+    before = [{D: dict(t) for D, t in table.items()} for table in (ft.TUNED, ft.SHORT_TUNED)]
+    assert ft.tuned_table(64, ft.SHORT_SEQ) is ft.SHORT_TUNED and ft.tuned_table(64, 2 * ft.SHORT_SEQ) is ft.TUNED
+    for kernel, S in (("dkdv", 512), ("fwd", 2 * ft.SHORT_SEQ)):
+        rows = ft.search_tiles(kernel, 1, 2, S, 64)
+        today = ft.tuned_table(64, S)[64][kernel]
+        assert rows[0][0] == today and len(rows) == 1 + sum(t != today for t in ft.TILE_CANDIDATES[kernel]), rows
         assert all(isinstance(ms, str) or ms > 0 for _, ms in rows), rows
         with contextlib.redirect_stdout(io.StringIO()) as out:
-            ft.report_tiles(kernel, (1, 2, 512, 64), rows)
+            ft.report_tiles(kernel, (1, 2, S, 64), rows)
         assert out.getvalue().strip().splitlines()[-1].startswith(f"summary: fastest {kernel} tiles at D64"), out
-    assert ft.TUNED == before
+    assert [ft.TUNED, ft.SHORT_TUNED] == before
 
 @gpu
 def test_flash_model_path_agrees_with_cudnn_and_is_timed():
