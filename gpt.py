@@ -147,6 +147,14 @@ GPU_ONLY_ATTENTION = ("cudnn", "efficient", "triton")
 
 # --- 3. the model
 
+def matmul_dtype(x):
+    """The dtype nn.Linear would multiply x in: autocast's, if it is on, else x's own. The fused functions below
+    cast to it themselves."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -260,9 +268,7 @@ class GPT(nn.Module):
         wrapper that gathers a block's weights when the block is called (FSDP), or any hook on a block, needs the
         plain loop."""
         B, T, C = x.shape
-        low = x.dtype  # the dtype the matmuls read: the autocast one, if on
-        if torch.is_autocast_enabled(x.device.type):
-            low = torch.get_autocast_dtype(x.device.type)
+        low = matmul_dtype(x)  # the dtype the matmuls read: the autocast one, if on
         x = x.flatten(0, 1)  # (B*T, C): a row per token, as the kernels read them
         h = self.h[0].ln_1(x).to(low)  # the first norm has no add before it
         for i, block in enumerate(self.h):
@@ -338,9 +344,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """mean_i cross_entropy(x_i W^T, y_i) with its gradients for x and W computed in forward."""
     @staticmethod
     def forward(ctx, x, weight, targets, chunk_rows):
-        dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type):  # the matmuls in the autocast dtype, as nn.Linear's would be
-            dtype = torch.get_autocast_dtype(x.device.type)
+        dtype = matmul_dtype(x)  # the matmuls in the autocast dtype, as nn.Linear's would be
         xc, w = x.to(dtype), weight.to(dtype)
         N, n_valid = x.shape[0], min(GPT2_VOCAB, weight.shape[0])
         losses, dx, dw = [], torch.empty_like(x), torch.zeros_like(weight, dtype=dtype)
@@ -449,8 +453,8 @@ class AddLayerNorm(torch.autograd.Function):
         mean = torch.empty(N, device=x.device, dtype=torch.float32)
         rstd = torch.empty(N, device=x.device, dtype=torch.float32)
         rows, warps = ADD_LN_FWD_TILE
-        _add_layer_norm_fwd[(triton.cdiv(N, rows),)](x, y, weight, bias, r, h, mean, rstd, N, C, eps,
-                                                     BLOCK=triton.next_power_of_2(C), ROWS=rows, num_warps=warps)
+        _add_layer_norm_fwd[((N + rows - 1) // rows,)](x, y, weight, bias, r, h, mean, rstd, N, C, eps,
+                                                       BLOCK=triton.next_power_of_2(C), ROWS=rows, num_warps=warps)
         ctx.save_for_backward(r, weight, mean, rstd)  # r is the next add's x as well: saved once
         ctx.y_dtype = y.dtype
         return r, h
@@ -460,7 +464,7 @@ class AddLayerNorm(torch.autograd.Function):
         r, weight, mean, rstd = ctx.saved_tensors
         N, C = r.shape
         rows, warps = ADD_LN_BWD_TILE
-        grid = (triton.cdiv(N, rows),)
+        grid = ((N + rows - 1) // rows,)  # (triton.cdiv costs microseconds a call on the host in newer Triton)
         dr, dy = torch.empty_like(r), torch.empty(N, C, device=r.device, dtype=ctx.y_dtype)
         parts = torch.empty(2, grid[0], C, device=r.device, dtype=torch.float32)  # (dw or db, programs, C)
         _add_layer_norm_bwd[grid](dh.contiguous(), dr_in.contiguous(), r, weight, mean, rstd, dr, dy, parts, N, C,
@@ -573,9 +577,7 @@ class GeluMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2):
-        dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type):  # the matmuls in the autocast dtype, as nn.Linear's would be
-            dtype = torch.get_autocast_dtype(x.device.type)
+        dtype = matmul_dtype(x)  # the matmuls in the autocast dtype, as nn.Linear's would be
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (N, d)
             w1c, w2c = w1.to(dtype), w2.to(dtype)  # (f, d), (d, f)
