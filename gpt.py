@@ -145,6 +145,18 @@ ATTENTION = {  # --attn NAME
 GPU_ONLY_ATTENTION = ("cudnn", "efficient", "triton")
 
 
+def default_attention(device, dtype, head_dim):
+    """train.py's --attn default: our Triton kernels on a GPU for bf16/fp16 activations of a head dim they have
+    tiles for (gpt2's train step on an H100: 1.021-1.025x as fast as with cuDNN), SDPA's own choice otherwise
+    (fp32 and head dims like 2.7B's 80)."""
+    if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    from flash_triton import HEAD_DIMS
+    if head_dim not in HEAD_DIMS:
+        return "sdpa"
+    return "triton"
+
+
 # --- 3. the model
 
 def matmul_dtype(x):

@@ -491,6 +491,7 @@ def test_train_cpu_learns_variants_agree_nan_stops():
     vals = [float(ln.split()[-1]) for ln in out.splitlines() if ln.startswith("step") and "val loss" in ln]
     assert len(vals) == 2 and vals[1] < min(vals[0] - 0.25, math.log(gpt.GPT2_VOCAB) - 1), vals
     assert "over steps 4-7 |" in out and f"| val loss {vals[1]:.4f}" in out and "--- sample (8 tokens)" in out, out
+    assert "parameters, attention sdpa |" in out, out  # the default off a GPU (test_default_attention_rule)
     assert train_main(*TINY, "--stop-after", 3, "--recompute", 1)[0] == ref[:3]
     accum = train_main(*TINY, "--stop-after", 3, "--batch", 2, "--grad-accum", 2)[0]
     torch.testing.assert_close(accum, ref[:3], **LAYOUT)
@@ -498,6 +499,16 @@ def test_train_cpu_learns_variants_agree_nan_stops():
     assert train_main(*TINY, "--stop-after", 3, "--no-fused-norms")[0] == ref[:3]  # on a CPU the same ops
     finite, out = train_main(*TINY, "--lr", 1e9, "--warmup", 1, code=1)  # each step before the one named: finite
     assert f"stopped: loss is nan at step {len(finite)}; likely cause: a learning rate" in out.splitlines()[-1], out
+
+def test_default_attention_rule():
+    """train.py's --attn default: our kernels on a GPU for bf16/fp16 activations of a head dim they take, SDPA
+    otherwise (the CPU, fp32, 2.7B's head dim 80)."""
+    cases = [("cpu", torch.bfloat16, 64, "sdpa"), ("cuda", None, 64, "sdpa"), ("cuda", torch.float32, 64, "sdpa"),
+             ("cuda", torch.bfloat16, 64, "triton"), ("cuda", torch.float16, 128, "triton"),
+             ("cuda", torch.bfloat16, 80, "sdpa")]
+    with unittest.mock.patch.dict(os.environ):  # without CUDA, importing flash_triton sets TRITON_INTERPRET=1
+        got = [gpt.default_attention(device, dtype, D) for device, dtype, D, _ in cases]
+    assert got == [want for *_, want in cases], got
 
 def train_proc(args, torchrun=False, signum=None):
     """train.py in a fresh process (torchrun: 2 ranks), `signum` sent after step 0 (to rank 1 under torchrun)."""
@@ -1038,13 +1049,13 @@ def lever_curves(device, levers, steps=200, seeds=(0, 1, 2), B=4, T=64):
 
 @gpu
 def test_bench_e2e_gpu_levers_train_as_the_headline():
-    """The rung before the headline (its residual adds and LayerNorms apart) and each lever past it (bf16 weights
-    kept by the optimizer, our Triton attention, GELU inside the MLP's matmuls; not FP8, which changes the
-    arithmetic) is the same model and math: over 200 steps and three data seeds its loss curve stays within bf16
-    noise of the headline's (mean difference under 1% of the loss, the last 20 steps' mean within 1%), and the loss
-    falls."""
-    before = bench_e2e.LADDER[bench_e2e.HEADLINE_NUMBER - 2][0]
-    levers = [before, bench_e2e.MASTER_RUNG, bench_e2e.TRITON_RUNG, bench_e2e.GELU_RUNG]
+    """The two rungs before the headline (SDPA's attention instead of ours; then also the residual adds and
+    LayerNorms apart) and each lever past it (bf16 weights kept by the optimizer, GELU inside the MLP's matmuls;
+    not FP8, which changes the arithmetic) is the same model and math: over 200 steps and three data seeds its loss
+    curve stays within bf16 noise of the headline's (mean difference under 1% of the loss, the last 20 steps' mean
+    within 1%), and the loss falls."""
+    before = [name for name, _ in bench_e2e.LADDER[bench_e2e.HEADLINE_NUMBER - 3:bench_e2e.HEADLINE_NUMBER - 1]]
+    levers = [*before, bench_e2e.MASTER_RUNG, bench_e2e.GELU_RUNG]
     curves = lever_curves("cuda", levers)
     for name in levers:
         for seed, (ours, head) in enumerate(zip(curves[name], curves[bench_e2e.HEADLINE])):

@@ -2,12 +2,12 @@
 
 Each flag is a speed-up the other scripts measure: --tf32, --bf16 / --fp16, --attn, --vocab 50304, --compile
 (on one GPU with CUDA graphs), --fp8 (H100/H200, in the block layers wide enough to gain); on by default, the
-output layer fused with the loss (--no-fused-ce turns it off) and each residual add fused with the LayerNorm
-after it (--no-fused-norms). The loop never makes the GPU wait: a step's loss is read back while the GPU runs the
-next. Several GPUs: torchrun, DDP or --fsdp (FSDP2: weights, gradients and optimizer state sharded); --recompute K
-recomputes every K-th block's activations in backward. Ctrl-C saves --ckpt and prints how to resume. --nvtx names
-each step and its phases for Nsight Systems (nsys profile --trace=cuda,nvtx). Without CUDA the same command trains
-`tiny` on a short context.
+output layer fused with the loss (--no-fused-ce turns it off), each residual add fused with the LayerNorm after
+it (--no-fused-norms) and, on a GPU in bf16/fp16, flash_triton.py's attention (--attn sdpa for SDPA's). The
+loop never makes the GPU wait: a step's loss is read back while the GPU runs the next. Several GPUs: torchrun, DDP
+or --fsdp (FSDP2: weights, gradients and optimizer state sharded); --recompute K recomputes every K-th block's
+activations in backward. Ctrl-C saves --ckpt and prints how to resume. --nvtx names each step and its phases for
+Nsight Systems (nsys profile --trace=cuda,nvtx). Without CUDA the same command trains `tiny` on a short context.
 
     python train.py --vocab 50304 --bf16 --compile                 # the headline run
     python train.py --vocab 50304 --bf16 --compile --fp8 0         # FP8 in every block (--fp8: >= 2048 wide)
@@ -37,9 +37,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gpt  # gpt.NVTX: the switch --nvtx sets
 from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, amp_dtype, autocast, check_host_memory,
-                 check_output_path, clock, compile_model, configure_optimizer, elapsed_ms, fail, float_in,
-                 flops_per_token, fmt_mfu, fp8_supported, fully_shard_gpt, gib, gpt2_tokenizer, int_in, is_oom,
-                 load_tokens, make_config, mfu, nvtx_range, on_device, print_table, resolve_device, set_tf32,
+                 check_output_path, clock, compile_model, configure_optimizer, default_attention, elapsed_ms, fail,
+                 float_in, flops_per_token, fmt_mfu, fp8_supported, fully_shard_gpt, gib, gpt2_tokenizer, int_in,
+                 is_oom, load_tokens, make_config, mfu, nvtx_range, on_device, print_table, resolve_device, set_tf32,
                  step_bytes, train_step, use_fp8)
 
 # --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
@@ -190,7 +190,8 @@ def train(run, config, data, state, rank, world, device):
     no_sync = model.no_sync if isinstance(model, DDP) else None
     tokens_per_step = run.batch * run.seq * run.grad_accum * world
     flops_per_step = flops_per_token(config, run.seq) * tokens_per_step / world  # per GPU
-    log(f"model {run.model}: {raw_model.num_params():,} parameters | {tokens_per_step:,} tokens per step "
+    log(f"model {run.model}: {raw_model.num_params():,} parameters, attention {config.attn} | {tokens_per_step:,} "
+        f"tokens per step "
         f"(batch {run.batch} x seq {run.seq} x accum {run.grad_accum} x {processes(world, run.fsdp)})")
     if eval_plan[0] < run.batch:
         log(f"the validation split holds {len(val):,} tokens: evaluating {eval_plan[0]} sequences per process")
@@ -437,7 +438,8 @@ def parse_args(argv):
     p.add_argument("--no-fused-norms", action="store_true", help="residual adds and LayerNorms as separate ops "
                    "(fused by default, except with --fsdp or --recompute)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--attn", default="sdpa", choices=ATTENTION, help="attention implementation (default sdpa)")
+    p.add_argument("--attn", choices=ATTENTION, help="attention implementation (default: triton on a GPU with "
+                   "--bf16/--fp16 where its kernels take the head dim, else sdpa)")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (under torchrun, 2+ processes)")
     p.add_argument("--recompute", type=positive, metavar="K", help="recompute every K-th block in backward (1: all)")
     p.add_argument("--batch", type=positive, help="sequences per micro-step per GPU (default 16; 8 on CPU)")
@@ -545,8 +547,10 @@ def check_model(run, device):
     """The model's config, or a ValueError: sizes within the preset, the device able to run the flags."""
     # FSDP gathers a block's weights when the block is called; the fused norms read the next block's ln_1 before
     fused_norms = run.fused_norms and not run.fsdp
-    config = make_config(run.model, vocab_size=run.vocab, attn=run.attn, fused_ce=run.fused_ce,
-                         fused_norms=fused_norms)
+    preset = make_config(run.model)  # a ValueError for an unknown name
+    head_dim = preset.n_embd // preset.n_head
+    attn = run.attn or default_attention(device, amp_dtype(run.bf16, run.fp16), head_dim)  # the fastest measured
+    config = make_config(run.model, vocab_size=run.vocab, attn=attn, fused_ce=run.fused_ce, fused_norms=fused_norms)
     if run.recompute > config.n_layer:
         raise ValueError(f"--recompute {run.recompute} is above the {config.n_layer} layers of '{run.model}'")
     config.recompute = run.recompute
