@@ -190,8 +190,8 @@ def train(run, config, data, state, rank, world, device):
     no_sync = model.no_sync if isinstance(model, DDP) else None
     tokens_per_step = run.batch * run.seq * run.grad_accum * world
     flops_per_step = flops_per_token(config, run.seq) * tokens_per_step / world  # per GPU
-    log(f"model {run.model}: {raw_model.num_params():,} parameters, attention {config.attn} | {tokens_per_step:,} "
-        f"tokens per step "
+    log(f"model {run.model}: {raw_model.num_params():,} parameters, attention {config.attn} | "
+        f"{tokens_per_step:,} tokens per step "
         f"(batch {run.batch} x seq {run.seq} x accum {run.grad_accum} x {processes(world, run.fsdp)})")
     if eval_plan[0] < run.batch:
         log(f"the validation split holds {len(val):,} tokens: evaluating {eval_plan[0]} sequences per process")
