@@ -1,19 +1,20 @@
 """End-to-end timing of GPT training: where a step's time goes and what each optimization buys.
 
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
-train.py's headline, then levers on the headline (bf16 weights kept by the optimizer, our Triton attention, GELU
-inside the MLP's matmuls, FP8 forced onto every block Linear), all rungs in the same rounds of gpt.py's timer
-(paired ratios); --rungs times a few. --nanogpt times nanoGPT's model.py against the headline the same way. The
-sweep splits a step into forward, backward and optimizer by model, batch, context and vocabulary; --warmup-table
-shows what the first steps pay for; --profile groups the step's kernels and sets each group against its limit;
---nvtx names the phases for Nsight Systems.
+train.py's headline (our Triton attention the last rung), then levers on the headline (bf16 weights kept by the
+optimizer, GELU inside the MLP's matmuls, FP8 forced onto every block Linear), all rungs in the same rounds of
+gpt.py's timer (paired ratios); --rungs times a few. --nanogpt times nanoGPT's model.py against the headline the
+same way. The sweep splits a step into forward, backward and optimizer by model, batch, context and vocabulary;
+--warmup-table shows what the first steps pay for; --profile groups the step's kernels and sets each group against
+its limit; --nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
-    python bench_e2e.py --ladder --rungs 9,10,11,12    # the headline and three levers, paired against it
+    python bench_e2e.py --ladder --rungs 10,11,12,13   # the headline and its three levers, paired against it
     python bench_e2e.py --nanogpt ../nanoGPT
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
     python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --vocab 50304 --bf16 --compile --mode train --profile
+    python bench_e2e.py ... --profile --attn triton    # the same with the headline's attention (--attn: sdpa)
     nsys profile --trace=cuda,nvtx -o e2e python bench_e2e.py --nvtx --attn naive --batch 4 --rounds 2 --steps 1
 """
 
