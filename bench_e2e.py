@@ -1,15 +1,15 @@
 """End-to-end timing of GPT training: where a step's time goes and what each optimization buys.
 
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
-train.py's headline (our Triton attention the last rung), then levers on the headline (bf16 weights kept by the
-optimizer, GELU inside the MLP's matmuls, FP8 forced onto every block Linear), all rungs in the same rounds of
-gpt.py's timer (paired ratios); --rungs times a few. --nanogpt times nanoGPT's model.py against the headline the
-same way. The sweep splits a step into forward, backward and optimizer by model, batch, context and vocabulary;
---warmup-table shows what the first steps pay for; --profile groups the step's kernels and sets each group against
-its limit; --nvtx names the phases for Nsight Systems.
+train.py's headline (our Triton attention, then the biases added by the fused kernels), then levers on the headline
+(bf16 weights kept by the optimizer, GELU inside the MLP's matmuls, FP8 forced onto every block Linear), all rungs
+in the same rounds of gpt.py's timer (paired ratios); --rungs times a few. --nanogpt times nanoGPT's model.py
+against the headline the same way. The sweep splits a step into forward, backward and optimizer by model, batch,
+context and vocabulary; --warmup-table shows what the first steps pay for; --profile groups the step's kernels and
+sets each group against its limit; --nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
-    python bench_e2e.py --ladder --rungs 10,11,12,13   # the headline and its three levers, paired against it
+    python bench_e2e.py --ladder --rungs 11,12,13,14   # the headline and its three levers, paired against it
     python bench_e2e.py --nanogpt ../nanoGPT
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
     python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
@@ -38,7 +38,7 @@ from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, 
                  use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
-HEADLINE = "+ our Triton attention"  # = python train.py --vocab 50304 --bf16 --compile (on a GPU)
+HEADLINE = "+ biases added by the fused kernels"  # = python train.py --vocab 50304 --bf16 --compile (on a GPU)
 MASTER_RUNG = "+ bf16 weights kept by the optimizer"
 GELU_RUNG, FP8_RUNG = "+ GELU inside the MLP's matmuls", "+ FP8 block Linears (forced)"
 LADDER = (("fp32, naive attention, vocab 50257", {}),
@@ -50,10 +50,11 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ CUDA graphs", {"graphs": True}),
           ("+ fused linear-CE", {"fused_ce": True}),
           ("+ residual adds fused into LayerNorm", {"fused_norms": True}),  # gpt.py section 5
-          (HEADLINE, {"attn": "triton"}),  # flash_triton.py on c_attn's whole output, instead of SDPA's cuDNN
+          ("+ our Triton attention", {"attn": "triton"}),  # flash_triton.py on c_attn's output, not SDPA's cuDNN
+          (HEADLINE, {"fused_bias": True}),  # c_fc's bias in the GELU kernel, c_proj's in the add + LayerNorm ones
           # levers past the headline: each is the headline plus its own change, timed against the headline
           (MASTER_RUNG, {"master": True}),
-          (GELU_RUNG, {"gelu_mm": True}),
+          (GELU_RUNG, {"gelu_mm": True, "fused_bias": False}),  # GeluMLP adds the MLP's biases itself
           (FP8_RUNG, {"fp8": True}))
 LEVER_NOTES = {  # printed under the table for each lever that ran
     MASTER_RUNG: "gpt.MasterWeights, the blocks' Linear weights bf16 in the model and fp32 in the optimizer, whose "
@@ -63,7 +64,8 @@ LEVER_NOTES = {  # printed under the table for each lever that ran
     FP8_RUNG: "gpt.use_fp8(model, min_width=0), all four Linears of each block; by default use_fp8 (train.py "
               f"--fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)"}
 FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False, "graphs": False,
-              "fused_ce": False, "fused_norms": False, "master": False, "gelu_mm": False, "fp8": False}
+              "fused_ce": False, "fused_norms": False, "fused_bias": False, "master": False, "gelu_mm": False,
+              "fp8": False}
 RUNG_NUMBERS = {name: i + 1 for i, (name, _) in enumerate(LADDER)}  # as the table and --rungs number them
 HEADLINE_NUMBER = RUNG_NUMBERS[HEADLINE]
 # All rungs live at once, to run in the same rounds: at B=16 T=1024 each gpt2 keeps 1.5 GB of weights and
@@ -108,7 +110,7 @@ class Plan:
 
 def build(config, s, device):
     config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"],
-                     fused_norms=s["fused_norms"], gelu_in_matmul=s["gelu_mm"])
+                     fused_norms=s["fused_norms"], fused_bias=s["fused_bias"], gelu_in_matmul=s["gelu_mm"])
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU: a 2.7B model takes minutes on the CPU
         model = GPT(config)
@@ -360,9 +362,9 @@ def held_by(benches, vocab):  # bytes the model of this vocabulary keeps, for gp
     return held_bytes(benches.get(vocab))
 
 def flag_settings(plan, vocab):
-    """The sweep's, warm-up table's and profile's step: train.py's with these flags (fused loss and norms on)."""
+    """The sweep's, warm-up table's and profile's step: train.py's with these flags (fused loss, norms, biases on)."""
     return {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": vocab,
-            "compile": plan.compile, "fused_ce": True, "fused_norms": True}
+            "compile": plan.compile, "fused_ce": True, "fused_norms": True, "fused_bias": True}
 
 def sweep_cells(name, config, plan, device):
     """{(vocab, batch, seq, mode): variant}, one model per vocabulary shared by its cells. Train cells warm up

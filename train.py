@@ -3,11 +3,12 @@
 Each flag is a speed-up the other scripts measure: --tf32, --bf16 / --fp16, --attn, --vocab 50304, --compile
 (on one GPU with CUDA graphs), --fp8 (H100/H200, in the block layers wide enough to gain); on by default, the
 output layer fused with the loss (--no-fused-ce turns it off), each residual add fused with the LayerNorm after
-it (--no-fused-norms) and, on a GPU in bf16/fp16, flash_triton.py's attention (--attn sdpa for SDPA's). The
-loop never makes the GPU wait: a step's loss is read back while the GPU runs the next. Several GPUs: torchrun, DDP
-or --fsdp (FSDP2: weights, gradients and optimizer state sharded); --recompute K recomputes every K-th block's
-activations in backward. Ctrl-C saves --ckpt and prints how to resume. --nvtx names each step and its phases for
-Nsight Systems (nsys profile --trace=cuda,nvtx). Without CUDA the same command trains `tiny` on a short context.
+it (--no-fused-norms), the MLP's and c_proj's biases added by those kernels (--no-fused-bias) and, on a GPU in
+bf16/fp16, flash_triton.py's attention (--attn sdpa for SDPA's). The loop never makes the GPU wait: a step's loss
+is read back while the GPU runs the next. Several GPUs: torchrun, DDP or --fsdp (FSDP2: weights, gradients and
+optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C saves --ckpt
+and prints how to resume. --nvtx names each step and its phases for Nsight Systems (nsys profile
+--trace=cuda,nvtx). Without CUDA the same command trains `tiny` on a short context.
 
     python train.py --vocab 50304 --bf16 --compile                 # the headline run
     python train.py --vocab 50304 --bf16 --compile --fp8 0         # FP8 in every block (--fp8: >= 2048 wide)
@@ -437,6 +438,8 @@ def parse_args(argv):
     p.add_argument("--no-fused-ce", action="store_true", help="materialise the logits for the loss (unfused)")
     p.add_argument("--no-fused-norms", action="store_true", help="residual adds and LayerNorms as separate ops "
                    "(fused by default, except with --fsdp or --recompute)")
+    p.add_argument("--no-fused-bias", action="store_true", help="biases added by the matmuls, not by the fused "
+                   "GELU and add + LayerNorm kernels (fused with the fused norms by default)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--attn", choices=ATTENTION, help="attention implementation (default: triton on a GPU with "
                    "--bf16/--fp16 where its kernels take the head dim, else sdpa)")
@@ -490,6 +493,7 @@ class Run:
     fp8: int
     fused_ce: bool
     fused_norms: bool
+    fused_bias: bool
     compile: bool
     attn: str
     fsdp: bool
@@ -519,7 +523,8 @@ def settings(args, argv, device):
                min_lr=min_lr, warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                eval_every=args.eval_every, eval_steps=args.eval_steps, bf16=args.bf16, fp16=args.fp16,
                tf32=args.tf32, fp8=args.fp8, fused_ce=not args.no_fused_ce,
-               fused_norms=not args.no_fused_norms, compile=args.compile, attn=args.attn,
+               fused_norms=not args.no_fused_norms, fused_bias=not args.no_fused_bias, compile=args.compile,
+               attn=args.attn,
                fsdp=args.fsdp, recompute=args.recompute or 0, sample=args.sample, seed=args.seed, data=args.data,
                ckpt=args.ckpt, resume=args.resume, argv=tuple(argv))
 
@@ -550,7 +555,8 @@ def check_model(run, device):
     preset = make_config(run.model)  # a ValueError for an unknown name
     head_dim = preset.n_embd // preset.n_head
     attn = run.attn or default_attention(device, amp_dtype(run.bf16, run.fp16), head_dim)  # the fastest measured
-    config = make_config(run.model, vocab_size=run.vocab, attn=attn, fused_ce=run.fused_ce, fused_norms=fused_norms)
+    config = make_config(run.model, vocab_size=run.vocab, attn=attn, fused_ce=run.fused_ce, fused_norms=fused_norms,
+                         fused_bias=run.fused_bias and fused_norms)  # the fused norms' kernels add the biases
     if run.recompute > config.n_layer:
         raise ValueError(f"--recompute {run.recompute} is above the {config.n_layer} layers of '{run.model}'")
     config.recompute = run.recompute
