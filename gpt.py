@@ -420,7 +420,8 @@ def linear_cross_entropy(x, weight, targets, chunk_rows=None):
 # GPT.fused_norm_blocks runs the blocks this way. With GPTConfig.fused_bias the same kernels also add c_proj's bias
 # to the branch (forward) and sum its gradient from the branch gradient they write (backward), and c_fc's bias goes
 # into GELU (bias_gelu below): a Linear's bias gradient is the column sum of its output's gradient, which otherwise
-# costs a pass of its own over that gradient (about 1 ms a step for gpt2's four biases a block, by the profile).
+# costs a pass of its own over that gradient (by the profile, 0.42 ms a step for gpt2's c_fc, 0.25 for both c_proj;
+# c_attn's stays in its matmul). The step: 1.008x and 1.013x as fast again, paired against the same without them.
 
 # (rows per program, warps), searched alone at 16,384 x 768 on an H100 over 4-64 rows and 1-8 warps: forward
 # 59 us (16 rows and 4 warps: 61; its 12 bytes an element take 50 us at 3.0 TB/s); backward 80 us (16 rows and
