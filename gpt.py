@@ -545,8 +545,9 @@ def add_layer_norm(x, y, norm, out_dtype, y_bias=None):
 # c_fc's bias and GELU: forward, g = gelu(h0 + b) in PyTorch's ops (Inductor fuses them into one kernel); backward,
 # one kernel reads GELU's output gradient and h0, writes h0's gradient dh = dg * gelu'(h0 + b) and per-program
 # column sums of dh, the bias gradient, instead of a second read of dh (100 MB a layer in gpt2's step) for it.
-BIAS_GELU_TILE = (32, 1024, 4)  # (rows, columns, warps) a program
+BIAS_GELU_TILE = (32, 1024, 4)  # (rows, columns, warps) a program, as first written: not searched
 
+# GPT-2's GELU and its derivative in Triton, for this kernel and section 6's matmuls
 GELU_K = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi): GPT-2's tanh GELU is x * sigmoid(2u)
 
 
@@ -569,6 +570,7 @@ def _gelu_grad(x):  # d/dx of x sigmoid(2u): sigmoid(2u) + x sigmoid(2u) (1 - si
 
 @triton.jit
 def _bias_gelu_bwd(DG, H0, B, DH, Parts, n_rows, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+    # dh = dg * gelu'(h0 + b) for ROWS rows and BLOCK_F columns; db += dh over those rows
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     inside = cols < F
     b = tl.load(B + cols, mask=inside, other=0.0).to(tl.float32)
