@@ -220,7 +220,8 @@ class MLP(nn.Module):
         if self.gelu_in_matmul:  # the same function, GELU applied inside the matmuls around it (section 6)
             return GeluMLP.apply(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
         if fused_bias:
-            return project(self.c_proj, bias_gelu(project(self.c_fc, x, bias=False), self.c_fc.bias), bias=False)
+            h = project(self.c_fc, x, bias=False)  # (..., d_ff): c_fc's matmul only
+            return project(self.c_proj, bias_gelu(h, self.c_fc.bias), bias=False)
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's GELU
 
 
