@@ -506,7 +506,7 @@ class AddLayerNorm(torch.autograd.Function):
         mean = torch.empty(N, device=x.device, dtype=torch.float32)
         rstd = torch.empty(N, device=x.device, dtype=torch.float32)
         rows, warps = ADD_LN_FWD_TILE
-        has_bias = y_bias is not None
+        has_bias = y_bias is not None  # without one, the kernel is given LN's bias as YB and never reads it
         _add_layer_norm_fwd[((N + rows - 1) // rows,)](x, y, y_bias if has_bias else bias, weight, bias, r, h, mean,
                                                        rstd, N, C, eps, BLOCK=triton.next_power_of_2(C), ROWS=rows,
                                                        Y_BIAS=has_bias, num_warps=warps)

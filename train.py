@@ -522,10 +522,9 @@ def settings(args, argv, device):
                stop_after=args.stop_after, grad_accum=args.grad_accum, lr=args.lr,
                min_lr=min_lr, warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                eval_every=args.eval_every, eval_steps=args.eval_steps, bf16=args.bf16, fp16=args.fp16,
-               tf32=args.tf32, fp8=args.fp8, fused_ce=not args.no_fused_ce,
-               fused_norms=not args.no_fused_norms, fused_bias=not args.no_fused_bias, compile=args.compile,
-               attn=args.attn,
-               fsdp=args.fsdp, recompute=args.recompute or 0, sample=args.sample, seed=args.seed, data=args.data,
+               tf32=args.tf32, fp8=args.fp8, fused_ce=not args.no_fused_ce, fused_norms=not args.no_fused_norms,
+               fused_bias=not args.no_fused_bias, compile=args.compile, attn=args.attn, fsdp=args.fsdp,
+               recompute=args.recompute or 0, sample=args.sample, seed=args.seed, data=args.data,
                ckpt=args.ckpt, resume=args.resume, argv=tuple(argv))
 
 def check_flags(args):
