@@ -577,6 +577,8 @@ def category(name):
         return "cross-entropy"
     if any(s in n for s in ("layer_norm", "layernorm")):
         return "normalization"
+    if "gelu" in n:  # Inductor's bias + GELU kernel is named triton_..._to_copy_add_gelu: element-wise, not a copy
+        return "element-wise"
     if any(s in n for s in ("memcpy", "memset", "copy", "fill_", "zero_", "aten::cat", "clone", "transpose")):
         return "copies"
     return "element-wise"

@@ -937,6 +937,17 @@ def test_bench_e2e_idle_gaps_split_short_and_long():
     assert (round(short * 1e3, 6), round(long * 1e3, 6), count) == (3.5, 30.0, 0.5), (short, long, count)
     assert bench_e2e.idle_gaps(SimpleNamespace(events=lambda: []), steps=1) == (0.0, 0.0, 0.0)
 
+def test_bench_e2e_groups_kernels_by_name():
+    """The profile's groups, from kernel names of the headline's step on an H100 (Inductor names a fused kernel
+    after its ops: a bias + GELU kernel starts with a cast, and is still element-wise)."""
+    names = {"nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "matmul", "_attn_dkdv_kernel": "attention",
+             "_add_layer_norm_bwd": "normalization", "_cross_entropy_rows": "cross-entropy",
+             "triton_poi_fused__to_copy_add_gelu_10": "element-wise", "_bias_gelu_bwd": "element-wise",
+             "triton_poi_fused__to_copy_t_6": "copies", "Memset (Device)": "copies",
+             "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizer>": "optimizer",
+             "triton_red_fused_sum_view_8": "element-wise"}
+    assert {n: bench_e2e.category(n) for n in names} == names
+
 def test_bench_e2e_sweep_numbers_profile_cpu_run():
     cpu = torch.device("cpu")
     times, stats = sweep(cpu)
