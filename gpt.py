@@ -350,8 +350,11 @@ def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, n_valid, n_co
     lse = m + tl.log(s)
     target = tl.load(targets_ptr + tl.program_id(0))
     tl.store(loss_ptr + tl.program_id(0), lse - tl.load(row + target).to(tl.float32))
-    for start in range(0, n_cols, BLOCK):  # the second read: at 1.5x one read + one write, mostly from memory
-        cols = start + tl.arange(0, BLOCK)
+    # The second read goes from the row's end back: the tiles the first read loaded last are the likeliest to be
+    # still in L2 (the ~50 MB it holds are about 500 rows of 100 KB, fewer than the rows in flight).
+    n_tiles = tl.cdiv(n_cols, BLOCK)
+    for i in range(0, n_tiles):
+        cols = (n_tiles - 1 - i) * BLOCK + tl.arange(0, BLOCK)
         z = tl.load(row + cols, mask=cols < n_valid, other=float("-inf")).to(tl.float32)
         grad = tl.exp(z - lse)
         grad = tl.where(cols == target, grad - 1.0, grad)
@@ -362,7 +365,8 @@ def chunk_loss_and_grad(logits, targets, n_valid):
     """Each row's loss; the logits are overwritten by their gradient. The kernel on a GPU; on a CPU its reference."""
     if logits.is_cuda:
         losses = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
-        # tiles of 8,192 columns, 16 warps: 0.830 ms for 8,192 x 50,304 on an H100 against 0.879 for 4,096 and 8
+        # tiles of 8,192 columns, 16 warps, for 8,192 x 50,304 on an H100: 0.807 ms with the second read backwards,
+        # 0.881 front to back; 4,096 columns and 8 warps 0.821 and 0.881 (one read + one write at 3 TB/s: 0.549)
         _cross_entropy_rows[(logits.shape[0],)](logits, targets, losses, logits.stride(0), n_valid,
                                                 logits.shape[1], BLOCK=8192, num_warps=16)
         return losses
