@@ -1,7 +1,8 @@
 """End-to-end timing of GPT training: where a step's time goes and what each optimization buys.
 
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
-train.py's headline (our Triton attention, then the biases added by the fused kernels), then levers on the headline
+train.py's headline (our Triton attention, the biases added by the fused kernels, cuBLAS without a workspace), then
+levers on the headline
 (bf16 weights kept by the optimizer, GELU inside the MLP's matmuls, FP8 forced onto every block Linear), all rungs
 in the same rounds of gpt.py's timer (paired ratios); --rungs times a few. --nanogpt times nanoGPT's model.py
 against the headline the same way. The sweep splits a step into forward, backward and optimizer by model, batch,
@@ -9,7 +10,7 @@ context and vocabulary; --warmup-table shows what the first steps pay for; --pro
 sets each group against its limit; --nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
-    python bench_e2e.py --ladder --rungs 11,12,13,14   # the headline and its three levers, paired against it
+    python bench_e2e.py --ladder --rungs 12,13,14,15   # the headline and its three levers, paired against it
     python bench_e2e.py --nanogpt ../nanoGPT
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
     python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
@@ -34,11 +35,11 @@ from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, 
                  amp_dtype, autocast, check_host_memory, check_output_path, clock, compile_model, configure_optimizer,
                  elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, int_in,
                  int_list, is_oom, lazily, make_config, mfu, nvtx_range, on_device, plot_to, print_table,
-                 resolve_device, run_main, set_tf32, step_bytes, summarize, synchronize, time_rounds, train_step,
-                 use_fp8)
+                 resolve_device, run_main, set_cublas_workspace, set_tf32, step_bytes, summarize, synchronize,
+                 time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
-HEADLINE = "+ biases added by the fused kernels"  # = python train.py --vocab 50304 --bf16 --compile (on a GPU)
+HEADLINE = "+ cuBLAS without a workspace"  # = python train.py --vocab 50304 --bf16 --compile (on a GPU)
 MASTER_RUNG = "+ bf16 weights kept by the optimizer"
 GELU_RUNG, FP8_RUNG = "+ GELU inside the MLP's matmuls", "+ FP8 block Linears (forced)"
 LADDER = (("fp32, naive attention, vocab 50257", {}),
@@ -51,7 +52,9 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ fused linear-CE", {"fused_ce": True}),
           ("+ residual adds fused into LayerNorm", {"fused_norms": True}),  # gpt.py section 5
           ("+ our Triton attention", {"attn": "triton"}),  # flash_triton.py on c_attn's output, not SDPA's cuDNN
-          (HEADLINE, {"fused_bias": True}),  # c_fc's bias in the GELU kernel, c_proj's in the add + LayerNorm ones
+          ("+ biases added by the fused kernels", {"fused_bias": True}),  # c_fc's in the GELU kernel, c_proj's in
+          # the add + LayerNorm ones
+          (HEADLINE, {"cublas_workspace": False}),  # gpt.set_cublas_workspace: no memset before each matmul
           # levers past the headline: each is the headline plus its own change, timed against the headline
           (MASTER_RUNG, {"master": True}),
           (GELU_RUNG, {"gelu_mm": True, "fused_bias": False}),  # GeluMLP adds the MLP's biases itself
@@ -65,7 +68,7 @@ LEVER_NOTES = {  # printed under the table for each lever that ran
               f"--fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)"}
 FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False, "graphs": False,
               "fused_ce": False, "fused_norms": False, "fused_bias": False, "master": False, "gelu_mm": False,
-              "fp8": False}
+              "fp8": False, "cublas_workspace": True}
 RUNG_NUMBERS = {name: i + 1 for i, (name, _) in enumerate(LADDER)}  # as the table and --rungs number them
 HEADLINE_NUMBER = RUNG_NUMBERS[HEADLINE]
 # All rungs live at once, to run in the same rounds: at B=16 T=1024 each gpt2 keeps 1.5 GB of weights and
@@ -92,6 +95,7 @@ class Bench:
     tf32: bool = False
     scaler: torch.amp.GradScaler = None
     config: GPTConfig = None
+    cublas_workspace: bool = True  # False: gpt.set_cublas_workspace(False) before each of its steps
 
 @dataclass(frozen=True)
 class Plan:
@@ -124,12 +128,13 @@ def build(config, s, device):
     scaler = None
     if s["dtype"] == torch.float16:
         scaler = torch.amp.GradScaler(device.type)
-    return Bench(model, runner, optimizer, s["dtype"], s["tf32"], scaler, config)
+    return Bench(model, runner, optimizer, s["dtype"], s["tf32"], scaler, config, s["cublas_workspace"])
 
 def run_step(mode, bench, x, y):
     # The forward runs with autograd on, as in training: it keeps the activations backward needs, most of
     # a step's memory. With the fused linear-CE the output layer's backward matmuls run (and count) here.
-    set_tf32(bench.tf32)  # a process-wide switch: each variant sets its own before queueing
+    set_tf32(bench.tf32)  # process-wide switches: each variant sets its own before queueing
+    set_cublas_workspace(bench.cublas_workspace)
     if mode == "train":  # gpt.train_step: forward, backward, AdamW, gradients dropped (NVTX ranges inside)
         return train_step(bench.runner, bench.optimizer, x, y, bench.dtype, bench.scaler)
     with nvtx_range("forward"), autocast(x.device, bench.dtype):
@@ -295,6 +300,7 @@ def build_nanogpt(module, config, device):
     return Bench(model, torch.compile(model), optimizer, torch.bfloat16)
 
 def nanogpt_step(bench, x, y):
+    set_cublas_workspace(bench.cublas_workspace)  # PyTorch's default, as nanoGPT's train.py runs, unless the row says
     with autocast(x.device, bench.dtype):
         _, loss = bench.runner(x, y)
     loss.backward()
@@ -303,6 +309,7 @@ def nanogpt_step(bench, x, y):
     bench.optimizer.zero_grad(set_to_none=True)
 
 def headline_step(bench, x, y):  # ours, clipped at 1.0 as nanoGPT's train.py
+    set_cublas_workspace(bench.cublas_workspace)
     return train_step(bench.runner, bench.optimizer, x, y, bench.dtype, grad_clip=1.0)
 
 def run_nanogpt(path, module, config, B, T, device, plan):
@@ -311,18 +318,26 @@ def run_nanogpt(path, module, config, B, T, device, plan):
     headline = dict(list(rungs())[[n for n, _ in LADDER].index(HEADLINE)][2])
     if not gpu:  # no compile, no CUDA graphs, fp32, SDPA: a smoke run
         headline.update(compile=False, graphs=False, dtype=None, attn="sdpa")
+    # nanoGPT as its train.py runs it (cuBLAS's workspace on) and, on a GPU, with the headline's cuBLAS setting too:
+    # the second row shows how much of the lead is that switch, which any model can take
+    theirs = {"nanoGPT model.py": True}
+    if gpu:
+        theirs["nanoGPT model.py, cuBLAS without a workspace"] = False
     ours = {"ours, plain loss (--no-fused-ce)": {**headline, "fused_ce": False}, "ours, the headline": headline}
     benches, variants = {}, {}
 
-    def make(name, s=None):
-        if s is None:
-            benches[name] = build_nanogpt(module, config, device)
-            return partial(nanogpt_step, benches[name], x, y)
+    def make_nanogpt(name, workspace):
+        benches[name] = replace(build_nanogpt(module, config, device), cublas_workspace=workspace)
+        return partial(nanogpt_step, benches[name], x, y)
+
+    def make_ours(name, s):
         benches[name] = build(config, s, device)
         return partial(headline_step, benches[name], x, y)
     note = "compiling..." if gpu else "first step"
-    for name, s in [("nanoGPT model.py", None), *ours.items()]:
-        variants[name] = lazily(partial(make, name, s), device, note=f"  {name}: {note}")
+    for name, workspace in theirs.items():
+        variants[name] = lazily(partial(make_nanogpt, name, workspace), device, note=f"  {name}: {note}")
+    for name, s in ours.items():
+        variants[name] = lazily(partial(make_ours, name, s), device, note=f"  {name}: {note}")
     print(f"timing nanoGPT's model.py and ours together: {plan.warmup} warm-up steps each, then "
           f"{plan.rounds} rounds of {plan.steps} steps", file=sys.stderr, flush=True)
     times, peaks = timed(variants, device, plan)
@@ -364,7 +379,8 @@ def held_by(benches, vocab):  # bytes the model of this vocabulary keeps, for gp
 def flag_settings(plan, vocab):
     """The sweep's, warm-up table's and profile's step: train.py's with these flags (fused loss, norms, biases on)."""
     return {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": vocab,
-            "compile": plan.compile, "fused_ce": True, "fused_norms": True, "fused_bias": True}
+            "compile": plan.compile, "fused_ce": True, "fused_norms": True, "fused_bias": True,
+            "cublas_workspace": False}
 
 def sweep_cells(name, config, plan, device):
     """{(vocab, batch, seq, mode): variant}, one model per vocabulary shared by its cells. Train cells warm up

@@ -913,6 +913,35 @@ def compile_model(model, cuda_graphs=False):
     return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
 
 
+# cuBLAS's workspace. With one (PyTorch's default), cuBLAS's Hopper matmul kernels hand out their output tiles from a
+# counter kept in it, and cuBLAS zeroes that counter with a memset before every such matmul: gpt2's step has 102 of
+# them, and in a CUDA-graphed step each memset and the gaps on either side of it cost about 4 us (0.4 ms a step on
+# an H100). Without a workspace cuBLAS picks the same kernels with their tiles scheduled statically: no memsets,
+# no slower matmuls at gpt2's shapes (bench_e2e.py's ladder). PyTorch reads these two variables at every cuBLAS call
+# (torch 2.11), so a process can switch between variants; a CUDA graph keeps the kernels it captured.
+CUBLAS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
+CUBLAS_ENV_AT_START = {name: os.environ.get(name) for name in CUBLAS_ENV}  # what enabled=True restores
+
+
+def set_cublas_workspace(enabled):
+    """cuBLAS with the workspace this process started with (True) or with none (False): ':0:0' is no blocks of no
+    KiB, and cuBLASLt's (bias epilogues) is sized to match, so PyTorch does not warn that it exceeds cuBLAS's."""
+    before = [os.environ.get(name) for name in CUBLAS_ENV]
+    for name in CUBLAS_ENV:
+        os.environ.pop(name, None)
+        if enabled and CUBLAS_ENV_AT_START[name] is not None:
+            os.environ[name] = CUBLAS_ENV_AT_START[name]
+    if not enabled:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":0:0"
+        os.environ["CUBLASLT_WORKSPACE_SIZE"] = "0"
+    if torch.cuda.is_initialized() and [os.environ.get(name) for name in CUBLAS_ENV] != before:
+        # PyTorch allocates a stream's workspace at its first cuBLAS call and hands that buffer to every later call
+        # with the size the variables give then: after a change it must be allocated afresh, or cuBLAS would be told
+        # of a workspace larger than the buffer (a failed matmul). CUDA graphs capture their own (cudagraph trees
+        # clear these the same way around each capture).
+        torch._C._cuda_clearCublasWorkspaces()
+
+
 def fully_shard_gpt(model, param_dtype=None):
     """FSDP2 per block, then the whole model: one block's all-gather overlaps the block before it's compute."""
     from torch.distributed import get_world_size

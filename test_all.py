@@ -415,6 +415,47 @@ def test_timer_interleaves_and_pairs():
         assert abs(t.mean - mean) < 1e-9 and abs(t.std - std) < 1e-9 and t.low <= t.mean <= t.high
         assert t.mean_std() == f"{mean:.2f} ± {std:.2f}"
 
+def test_cublas_workspace_switch_puts_back_what_the_process_started_with():
+    """set_cublas_workspace(False) sets both of PyTorch's workspace variables to none; True puts back the values the
+    process started with, a user's own included (bench_e2e.py switches per variant, every step)."""
+    saved = dict(gpt.CUBLAS_ENV_AT_START)
+    try:
+        for start in ({"CUBLAS_WORKSPACE_CONFIG": None, "CUBLASLT_WORKSPACE_SIZE": None},
+                      {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "CUBLASLT_WORKSPACE_SIZE": None}):
+            gpt.CUBLAS_ENV_AT_START.update(start)
+            gpt.set_cublas_workspace(False)
+            assert [os.environ.get(name) for name in gpt.CUBLAS_ENV] == [":0:0", "0"]
+            gpt.set_cublas_workspace(True)
+            assert {name: os.environ.get(name) for name in gpt.CUBLAS_ENV} == start
+    finally:
+        gpt.CUBLAS_ENV_AT_START.update(saved)
+        gpt.set_cublas_workspace(True)
+
+@gpu
+def test_gpu_cublas_without_workspace_no_memsets_same_products():
+    """PyTorch reads the workspace variables at every cuBLAS call: after set_cublas_workspace(False) the next matmuls
+    (plain, with a bias through cuBLASLt, a weight gradient's transposed one) run with no memset before them and give
+    the products they give with the workspace, to bf16 rounding. Switched off first, on, then off again: each switch
+    allocates the workspace afresh (without that, the second call hands cuBLAS a buffer of 0 bytes and a matmul
+    fails). On an H100 the workspace's memsets are there when it is on: what the switch removes."""
+    from torch.profiler import ProfilerActivity, profile
+    shapes = [(4096, 768), (4096, 3072), (3072, 768), (3072,)]  # x, the gradient g, the weight w, its bias b
+    x, g, w, b = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for shape in shapes]
+    products, memsets = [], []
+    for workspace in (False, True, False):
+        gpt.set_cublas_workspace(workspace)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            products.append([x @ w.t(), torch.addmm(b, x, w.t()), g.t() @ x])
+            torch.cuda.synchronize()
+        memsets.append(sum(e.name.startswith("Memset") for e in prof.events()
+                           if e.device_type == torch.autograd.DeviceType.CUDA))
+    gpt.set_cublas_workspace(True)
+    assert memsets[0] == memsets[2] == 0, memsets
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert memsets[1] > 0, memsets
+    for without, with_ws, again in zip(*products):
+        assert rel_err(without.float(), with_ws.float()) < 1e-2 and torch.equal(without, again)
+
 
 def test_flag_types_and_device_defaults():
     """gpt.py's argparse types: a value in range comes back parsed; one out of range, or not a number, is argparse's
@@ -1094,12 +1135,13 @@ def lever_curves(device, levers, steps=200, seeds=(0, 1, 2), B=4, T=64):
 
 @gpu
 def test_bench_e2e_gpu_levers_train_as_the_headline():
-    """The three rungs before the headline (the biases added by the matmuls; then also SDPA's attention instead of
-    ours; then also the residual adds and LayerNorms apart) and each lever past it (bf16 weights kept by the
-    optimizer, GELU inside the MLP's matmuls; not FP8, which changes the arithmetic) is the same model and math:
+    """The four rungs before the headline (cuBLAS with its workspace; then also the biases added by the matmuls; then
+    also SDPA's attention instead of ours; then also the residual adds and LayerNorms apart) and each lever past it
+    (bf16 weights kept by the optimizer, GELU inside the MLP's matmuls; not FP8, which changes the arithmetic) is the
+    same model and math:
     over 200 steps and three data seeds its loss curve stays within bf16 noise of the headline's (mean difference
     under 1% of the loss, the last 20 steps' mean within 1%), and the loss falls."""
-    before = [name for name, _ in bench_e2e.LADDER[bench_e2e.HEADLINE_NUMBER - 4:bench_e2e.HEADLINE_NUMBER - 1]]
+    before = [name for name, _ in bench_e2e.LADDER[bench_e2e.HEADLINE_NUMBER - 5:bench_e2e.HEADLINE_NUMBER - 1]]
     levers = [*before, bench_e2e.MASTER_RUNG, bench_e2e.GELU_RUNG]
     curves = lever_curves("cuda", levers)
     for name in levers:

@@ -3,8 +3,9 @@
 Each flag is a speed-up the other scripts measure: --tf32, --bf16 / --fp16, --attn, --vocab 50304, --compile
 (on one GPU with CUDA graphs), --fp8 (H100/H200, in the block layers wide enough to gain); on by default, the
 output layer fused with the loss (--no-fused-ce turns it off), each residual add fused with the LayerNorm after
-it (--no-fused-norms), the MLP's and c_proj's biases added by those kernels (--no-fused-bias) and, on a GPU in
-bf16/fp16, flash_triton.py's attention (--attn sdpa for SDPA's). The loop never makes the GPU wait: a step's loss
+it (--no-fused-norms), the MLP's and c_proj's biases added by those kernels (--no-fused-bias), cuBLAS without a
+workspace, so no memset runs before each matmul (--cublas-workspace keeps PyTorch's) and, on a GPU in bf16/fp16,
+flash_triton.py's attention (--attn sdpa for SDPA's). The loop never makes the GPU wait: a step's loss
 is read back while the GPU runs the next. Several GPUs: torchrun, DDP or --fsdp (FSDP2: weights, gradients and
 optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C saves --ckpt
 and prints how to resume. --nvtx names each step and its phases for Nsight Systems (nsys profile
@@ -40,8 +41,8 @@ import gpt  # gpt.NVTX: the switch --nvtx sets
 from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, amp_dtype, autocast, check_host_memory,
                  check_output_path, clock, compile_model, configure_optimizer, default_attention, elapsed_ms, fail,
                  float_in, flops_per_token, fmt_mfu, fp8_supported, fully_shard_gpt, gib, gpt2_tokenizer, int_in,
-                 is_oom, load_tokens, make_config, mfu, nvtx_range, on_device, print_table, resolve_device, set_tf32,
-                 step_bytes, train_step, use_fp8)
+                 is_oom, load_tokens, make_config, mfu, nvtx_range, on_device, print_table, resolve_device,
+                 set_cublas_workspace, set_tf32, step_bytes, train_step, use_fp8)
 
 # --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
 def wrap(model, run, world, device):
@@ -184,6 +185,7 @@ def train(run, config, data, state, rank, world, device):
     log = print if rank == 0 else quiet
     dtype = amp_dtype(run.bf16, run.fp16)
     set_tf32(run.tf32)
+    set_cublas_workspace(run.cublas_workspace)
     train_tokens, val, eval_plan = data
     raw_model, model, optimizer, scaler, step, pos = build(run, config, state, rank, world, device, log)
     # DDP all-reduces gradients in backward: held back on all but the last micro-batch. FSDP reduce-scatters
@@ -440,6 +442,8 @@ def parse_args(argv):
                    "(fused by default, except with --fsdp or --recompute)")
     p.add_argument("--no-fused-bias", action="store_true", help="biases added by the matmuls, not by the fused "
                    "GELU and add + LayerNorm kernels (fused with the fused norms by default)")
+    p.add_argument("--cublas-workspace", action="store_true", help="keep cuBLAS's workspace (PyTorch's default; "
+                   "without it, the default here, cuBLAS's Hopper kernels need no memset before each matmul)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--attn", choices=ATTENTION, help="attention implementation (default: triton on a GPU with "
                    "--bf16/--fp16 where its kernels take the head dim, else sdpa)")
@@ -494,6 +498,7 @@ class Run:
     fused_ce: bool
     fused_norms: bool
     fused_bias: bool
+    cublas_workspace: bool
     compile: bool
     attn: str
     fsdp: bool
@@ -523,8 +528,9 @@ def settings(args, argv, device):
                min_lr=min_lr, warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                eval_every=args.eval_every, eval_steps=args.eval_steps, bf16=args.bf16, fp16=args.fp16,
                tf32=args.tf32, fp8=args.fp8, fused_ce=not args.no_fused_ce, fused_norms=not args.no_fused_norms,
-               fused_bias=not args.no_fused_bias, compile=args.compile, attn=args.attn, fsdp=args.fsdp,
-               recompute=args.recompute or 0, sample=args.sample, seed=args.seed, data=args.data,
+               fused_bias=not args.no_fused_bias, cublas_workspace=args.cublas_workspace, compile=args.compile,
+               attn=args.attn, fsdp=args.fsdp, recompute=args.recompute or 0, sample=args.sample, seed=args.seed,
+               data=args.data,
                ckpt=args.ckpt, resume=args.resume, argv=tuple(argv))
 
 def check_flags(args):
