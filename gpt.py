@@ -387,14 +387,17 @@ class LinearCrossEntropy(torch.autograd.Function):
         dtype = matmul_dtype(x)  # the matmuls in the autocast dtype, as nn.Linear's would be
         xc, w = x.to(dtype), weight.to(dtype)
         N, n_valid = x.shape[0], min(GPT2_VOCAB, weight.shape[0])
-        losses, dx, dw = [], torch.empty_like(x), torch.zeros_like(weight, dtype=dtype)
+        losses, dx, dw = [], torch.empty_like(x), None
         with torch.autocast(x.device.type, enabled=False):
             for start in range(0, N, chunk_rows):
                 rows = slice(start, start + chunk_rows)
                 logits = xc[rows] @ w.t()
                 losses.append(chunk_loss_and_grad(logits, targets[rows], n_valid))
                 dx[rows] = logits @ w  # `logits` now holds their gradient
-                dw.addmm_(logits.t(), xc[rows])  # the matmul accumulates in fp32 inside
+                if dw is None:  # the first chunk's product is dW so far: no zeroed dW to add it to
+                    dw = logits.t() @ xc[rows]
+                else:  # the matmul accumulates in fp32 inside
+                    dw.addmm_(logits.t(), xc[rows])
         ctx.save_for_backward(dx, dw.to(weight.dtype))
         ctx.n_rows = N
         return torch.cat(losses).sum() / N
