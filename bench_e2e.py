@@ -2,12 +2,11 @@
 
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
 train.py's headline (our Triton attention, the biases added by the fused kernels, cuBLAS without a workspace), then
-levers on the headline
-(bf16 weights kept by the optimizer, GELU inside the MLP's matmuls, FP8 forced onto every block Linear), all rungs
-in the same rounds of gpt.py's timer (paired ratios); --rungs times a few. --nanogpt times nanoGPT's model.py
-against the headline the same way. The sweep splits a step into forward, backward and optimizer by model, batch,
-context and vocabulary; --warmup-table shows what the first steps pay for; --profile groups the step's kernels and
-sets each group against its limit; --nvtx names the phases for Nsight Systems.
+levers on the headline (bf16 weights kept by the optimizer, GELU inside the MLP's matmuls, FP8 forced onto every
+block Linear), all rungs in the same rounds of gpt.py's timer (paired ratios); --rungs times a few. --nanogpt
+times nanoGPT's model.py against the headline the same way. The sweep splits a step into forward, backward and
+optimizer by model, batch, context and vocabulary; --warmup-table shows what the first steps pay for; --profile
+groups the step's kernels and sets each group against its limit; --nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
     python bench_e2e.py --ladder --rungs 12,13,14,15   # the headline and its three levers, paired against it
@@ -52,8 +51,8 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ fused linear-CE", {"fused_ce": True}),
           ("+ residual adds fused into LayerNorm", {"fused_norms": True}),  # gpt.py section 5
           ("+ our Triton attention", {"attn": "triton"}),  # flash_triton.py on c_attn's output, not SDPA's cuDNN
-          ("+ biases added by the fused kernels", {"fused_bias": True}),  # c_fc's in the GELU kernel, c_proj's in
-          # the add + LayerNorm ones
+          # c_fc's bias added by the GELU kernel, c_proj's by the add + LayerNorm ones
+          ("+ biases added by the fused kernels", {"fused_bias": True}),
           (HEADLINE, {"cublas_workspace": False}),  # gpt.set_cublas_workspace: no memset before each matmul
           # levers past the headline: each is the headline plus its own change, timed against the headline
           (MASTER_RUNG, {"master": True}),
