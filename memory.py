@@ -209,7 +209,8 @@ def fused_loss_moments(s, alive, saved, n_checkpointed):
     """gpt.linear_cross_entropy: dx and dW made during the forward, chunk by chunk of CE_CHUNK_ROWS rows. On CUDA the
     Triton kernel writes each chunk's gradient over its logits (V rows matmul bytes); the CPU path makes fp32
     temporaries per row: the upcast (under bf16), z - lse and its exp. The previous chunk's logits are still
-    referenced while the next chunk's are made. Returns (moments, bytes the loss saves for backward)."""
+    referenced while the next chunk's are made. dW is the first chunk's product, made while that chunk's logits
+    live, and the later chunks add to it. Returns (moments, bytes the loss saves for backward)."""
     d, V, N, mm = s.config.n_embd, s.config.vocab_size, s.N, s.matmul
     loss_saved = s.ln * N * d + s.lm_head_bytes * V * d  # ln_f's output, lm_head's weight
     chunk_rows = [min(CE_CHUNK_ROWS, N - start) for start in range(0, N, CE_CHUNK_ROWS)]
@@ -219,18 +220,26 @@ def fused_loss_moments(s, alive, saved, n_checkpointed):
         if mm != 4:
             upcast = 4
         cpu_temps = (8 + upcast) * min(V, GPT2_VOCAB)
-    chunk_peak = max(mm * V * rows + max(mm * V * prev, cpu_temps * rows, mm * rows * d)
-                     for prev, rows in zip([0] + chunk_rows, chunk_rows))
+    dw = mm * V * d  # dW, in the compute dtype
+    chunk_peak = 0
+    for i, (prev, rows) in enumerate(zip([0] + chunk_rows, chunk_rows)):
+        beside = max(mm * V * prev, cpu_temps * rows, mm * rows * d)  # the last logits, CPU temporaries, dx's chunk
+        if i == 0:  # no dW yet while those are made; then the first chunk's dW is made beside its logits
+            beside = max(beside, dw)
+        else:
+            beside += dw
+        chunk_peak = max(chunk_peak, mm * V * rows + beside)
     ln_f_out = s.ln * N * d + (mm * N * d if mm != s.ln else 0)
     forward = {**alive, "saved activations": saved, "all-gather buffer (last block)": s.gather_buffer,
                "autocast's bf16 weight cache (checkpointed blocks)":
                    n_checkpointed * block_matrices(s.config) * s.weight_copy,
                "ln_f output (+ bf16 copy)": ln_f_out,
-               "loss: dx, dW (compute dtype), weight copy": s.ln * N * d + mm * V * d + V * d * s.weight_copy}
+               "loss: dx, weight copy": s.ln * N * d + V * d * s.weight_copy}
     last_chunk = mm * V * chunk_rows[-1] + 8 * N  # its logits, and every row's loss (fp32) and target
     dw_cast = 4 * V * d if s.lm_head_bytes != mm else 0
-    return {"forward: loss chunk": {**forward, "loss: chunk logits and temporaries": chunk_peak},
-            "forward: loss end": {**forward, "loss: last chunk's logits, per-row losses": last_chunk,
+    return {"forward: loss chunk": {**forward, "loss: chunk logits, temporaries, dW": chunk_peak},
+            "forward: loss end": {**forward, "loss: dW (compute dtype)": dw,
+                                  "loss: last chunk's logits, per-row losses": last_chunk,
                                   "loss: dW cast to the weight's dtype": dw_cast},
             "backward start": {**alive, "saved activations": saved + loss_saved,
                                "loss gradients dx*g, dW*g": s.ln * N * d + s.lm_head_bytes * V * d,
