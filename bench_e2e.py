@@ -1,7 +1,8 @@
 """End-to-end timing of GPT training: where a step's time goes and what each optimization buys.
 
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
-train.py's headline (our Triton attention, the biases added by the fused kernels, cuBLAS without a workspace), then
+train.py's headline (our Triton attention, fused biases, cuBLAS without a workspace, the tied weight's gradient
+summed in place), then
 levers on the headline (bf16 weights kept by the optimizer, GELU inside the MLP's matmuls, FP8 forced onto every
 block Linear), all rungs in the same rounds of gpt.py's timer (paired ratios); --rungs times a few. --nanogpt
 times nanoGPT's model.py against the headline the same way. The sweep splits a step into forward, backward and
@@ -9,7 +10,7 @@ optimizer by model, batch, context and vocabulary; --warmup-table shows what the
 groups the step's kernels and sets each group against its limit; --nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
-    python bench_e2e.py --ladder --rungs 12,13,14,15   # the headline and its three levers, paired against it
+    python bench_e2e.py --ladder --rungs 13,14,15,16   # the headline and its three levers, paired against it
     python bench_e2e.py --nanogpt ../nanoGPT
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
     python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
@@ -38,7 +39,7 @@ from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, 
                  time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
-HEADLINE = "+ cuBLAS without a workspace"  # = python train.py --vocab 50304 --bf16 --compile (on a GPU)
+HEADLINE = "+ AdamW's matrices by our kernel"  # = python train.py --vocab 50304 --bf16 --compile (on a GPU)
 MASTER_RUNG = "+ bf16 weights kept by the optimizer"
 GELU_RUNG, FP8_RUNG = "+ GELU inside the MLP's matmuls", "+ FP8 block Linears (forced)"
 LADDER = (("fp32, naive attention, vocab 50257", {}),
@@ -53,7 +54,9 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ our Triton attention", {"attn": "triton"}),  # flash_triton.py on c_attn's output, not SDPA's cuDNN
           # c_fc's bias added by the GELU kernel, c_proj's by the add + LayerNorm ones
           ("+ biases added by the fused kernels", {"fused_bias": True}),
-          (HEADLINE, {"cublas_workspace": False}),  # gpt.set_cublas_workspace: no memset before each matmul
+          ("+ cuBLAS without a workspace", {"cublas_workspace": False}),  # gpt.set_cublas_workspace: no memsets
+          ("+ embedding's gradient into the loss's", {"embedding_into_dw": True}),  # gpt.TiedEmbedding
+          (HEADLINE, {"adamw_kernel": True}),  # gpt.AdamW: each matrix's step in one launch of _adamw
           # levers past the headline: each is the headline plus its own change, timed against the headline
           (MASTER_RUNG, {"master": True}),
           (GELU_RUNG, {"gelu_mm": True, "fused_bias": False}),  # GeluMLP adds the MLP's biases itself
@@ -67,7 +70,8 @@ LEVER_NOTES = {  # printed under the table for each lever that ran
               f"--fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)"}
 FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False, "graphs": False,
               "fused_ce": False, "fused_norms": False, "fused_bias": False, "master": False, "gelu_mm": False,
-              "fp8": False, "cublas_workspace": True}
+              "fp8": False, "cublas_workspace": True, "embedding_into_dw": False,
+              "adamw_kernel": False}
 RUNG_NUMBERS = {name: i + 1 for i, (name, _) in enumerate(LADDER)}  # as the table and --rungs number them
 HEADLINE_NUMBER = RUNG_NUMBERS[HEADLINE]
 # All rungs live at once, to run in the same rounds: at B=16 T=1024 each gpt2 keeps 1.5 GB of weights and
@@ -113,7 +117,8 @@ class Plan:
 
 def build(config, s, device):
     config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"],
-                     fused_norms=s["fused_norms"], fused_bias=s["fused_bias"], gelu_in_matmul=s["gelu_mm"])
+                     fused_norms=s["fused_norms"], fused_bias=s["fused_bias"], gelu_in_matmul=s["gelu_mm"],
+                     embedding_into_dw=s["embedding_into_dw"])
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU: a 2.7B model takes minutes on the CPU
         model = GPT(config)
@@ -122,7 +127,7 @@ def build(config, s, device):
     if s["master"]:  # the blocks' weights become bf16 before compiling: the compiled forward reads them as they are
         optimizer = MasterWeights(model, lr=1e-4)
     else:
-        optimizer = configure_optimizer(model, lr=1e-4)
+        optimizer = configure_optimizer(model, lr=1e-4, matrix_kernel=s["adamw_kernel"])
     runner = compile_model(model, cuda_graphs=s["graphs"]) if s["compile"] else model
     scaler = None
     if s["dtype"] == torch.float16:
@@ -379,7 +384,7 @@ def flag_settings(plan, vocab):
     """The sweep's, warm-up table's and profile's step: train.py's with these flags (fused loss, norms, biases on)."""
     return {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": vocab,
             "compile": plan.compile, "fused_ce": True, "fused_norms": True, "fused_bias": True,
-            "cublas_workspace": False}
+            "cublas_workspace": False, "embedding_into_dw": True, "adamw_kernel": True}
 
 def sweep_cells(name, config, plan, device):
     """{(vocab, batch, seq, mode): variant}, one model per vocabulary shared by its cells. Train cells warm up

@@ -51,6 +51,7 @@ class GPTConfig:
     recompute: int = 0  # activation checkpointing of every recompute-th block (1: all, 0: none)
     fused_norms: bool = False  # each residual add fused with the LayerNorm after it (section 5; not with recompute)
     fused_bias: bool = False  # the MLP's and c_proj's biases added by those kernels too (section 5; with fused_norms)
+    embedding_into_dw: bool = True  # with fused_ce: the embedding's gradient added into the loss's dW (section 4)
 
 
 PRESETS = {  # name: (n_layer, n_head, n_embd, d_ff); gpt2 and small are the same 124M model under two names
@@ -277,7 +278,8 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than the block size {self.config.block_size}")
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C) + (T, C) broadcast
+        fused_loss = targets is not None and self.config.fused_ce and torch.is_grad_enabled()
+        x, head_weight = self.embed(idx, fused_loss and self.config.embedding_into_dw)
         K = self.config.recompute
         if self.config.fused_norms and blocks is None and not K:
             x = self.fused_norm_blocks(x)
@@ -288,12 +290,22 @@ class GPT(nn.Module):
                 else:
                     x = block(x)
             x = self.ln_f(x)
-        if targets is not None and self.config.fused_ce and torch.is_grad_enabled():
-            return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())  # (B*T, C)
+        if fused_loss:
+            return None, linear_cross_entropy(x.flatten(0, 1), head_weight, targets.flatten())  # (B*T, C)
         logits = self.lm_head(x)  # (B, T, vocab)
         if targets is None:
             return logits, None
         return logits.detach(), F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def embed(self, idx, tied):
+        """Token plus position embeddings (B, T, C), and the output layer's weight; tied: both through TiedEmbedding
+        (section 4), where the tied matrix's two gradients meet."""
+        head_weight = self.lm_head.weight
+        if tied:
+            tokens, head_weight = TiedEmbedding.apply(idx, self.wte.weight)
+        else:
+            tokens = self.wte(idx)
+        return tokens + self.wpe(torch.arange(idx.shape[1], device=idx.device)), head_weight  # (B, T, C) + (T, C)
 
     def fused_norm_blocks(self, x):
         """The blocks and ln_f as Block.forward runs them, each residual add fused with the LayerNorm after it
@@ -407,6 +419,23 @@ class LinearCrossEntropy(torch.autograd.Function):
         dx, dw = ctx.saved_tensors  # gradients of the sum of the losses; the loss is their mean
         scale = grad_loss / ctx.n_rows
         return dx * scale, dw * scale, None, None
+
+
+class TiedEmbedding(torch.autograd.Function):
+    """The token embedding wte(idx), and wte's weight again for the fused loss: the tied matrix's two gradients
+    meet here. Autograd would add the embedding's rows into a zeroed (vocab, C) buffer and then add that to the
+    loss's dW, two extra passes over 154 MB in fp32 at gpt2's size, plus the zeroing; here they go into dW itself."""
+    @staticmethod
+    def forward(ctx, idx, weight):
+        ctx.save_for_backward(idx)
+        return F.embedding(idx, weight), weight.view_as(weight)  # (B, T, C) rows; the weight, for the output layer
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_weight):
+        (idx,) = ctx.saved_tensors
+        rows = grad_rows.flatten(0, 1)  # (B*T, C): row i adds into the weight's row idx[i], repeated ids add up
+        # out of place, so autograd's buffer is not modified; compiled, Inductor adds into dW's own buffer
+        return None, grad_weight.index_put((idx.flatten(),), rows, accumulate=True)
 
 
 CE_CHUNK_ROWS = 8192  # rows enough for efficient matmuls
@@ -798,64 +827,126 @@ def use_fp8(model, min_width=FP8_MIN_WIDTH):
 
 # --- 8. optimizer, compilation, sharding and one training step
 
-def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95)):
+def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
     """The model's AdamW (adamw below), over every parameter that trains."""
-    return adamw([p for p in model.parameters() if p.requires_grad], lr, weight_decay, betas)
+    return adamw([p for p in model.parameters() if p.requires_grad], lr, weight_decay, betas, matrix_kernel)
 
 
-def adamw(params, lr, weight_decay=0.1, betas=(0.9, 0.95)):
+def adamw(params, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
     """AdamW with weight decay on matrices and embeddings, not on biases or LayerNorm gains; fused on a GPU (a few
-    kernels for all the parameters instead of a dozen per parameter)."""
+    kernels for all the parameters instead of a dozen per parameter), the matrices through _adamw below unless
+    matrix_kernel is False (torch's fused AdamW for all)."""
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=all(p.is_cuda for p in params))
+    optimizer = AdamW if matrix_kernel else torch.optim.AdamW
+    return optimizer(groups, lr=lr, betas=betas, fused=all(p.is_cuda for p in params))
 
 
 @triton.jit
-def _adamw_to_bf16(master_ptr, grad_ptr, m_ptr, v_ptr, low_ptr, scale_ptr, n, lr, weight_decay, beta1, beta2, eps,
-                   step_size, bias2_sqrt, SCALED: tl.constexpr, BLOCK: tl.constexpr):
-    # AdamW on a stretch of one fp32 master weight, from its bf16 gradient, writing the bf16 copy the model reads:
-    # 28 bytes a parameter (read 4 + 2 + 4 + 4, write 4 + 4 + 4 + 2), where autocast's cast of the weight in
-    # forward, of its gradient in backward and AdamW between them move 40. torch's AdamW arithmetic, in its order.
+def _adamw(param_ptr, grad_ptr, m_ptr, v_ptr, low_ptr, scale_ptr, step_ptr, n, lr, weight_decay, beta1, beta2, eps,
+           SCALED: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
+    # One AdamW step of BLOCK elements of an fp32 parameter, in torch's fused AdamW's arithmetic and order: read
+    # the parameter, its gradient and the moments m and v, write the three back (28 bytes a parameter). LOW: the
+    # gradient is bf16 and the new parameter is also written in bf16 (MasterWeights' weight copy).
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
-    p = tl.load(master_ptr + offs, mask=inside)
+    step = tl.load(step_ptr)  # this step's number, kept on the GPU as torch's fused AdamW keeps it: no host sync
+    step_size = lr / (1.0 - tl.exp2(step * tl.log2(beta1)))  # lr / (1 - beta1^step)
+    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
+    p = tl.load(param_ptr + offs, mask=inside)
     g = tl.load(grad_ptr + offs, mask=inside).to(tl.float32)
-    if SCALED:  # clip_gradients' divisor, read on the GPU: no host sync (torch's fused AdamW does the same)
+    if SCALED:  # clip_gradients' divisor, read on the GPU (as torch's fused AdamW reads it)
         g = g / tl.load(scale_ptr)
     m = tl.load(m_ptr + offs, mask=inside)
     v = tl.load(v_ptr + offs, mask=inside)
     p = p * (1.0 - lr * weight_decay)  # decoupled weight decay
-    m = m + (1.0 - beta1) * (g - m)  # torch's lerp for a weight below 0.5
-    v = v * beta2 + (1.0 - beta2) * g * g
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
     p = p - step_size * (m / (tl.sqrt(v) / bias2_sqrt + eps))
-    tl.store(master_ptr + offs, p, mask=inside)
+    tl.store(param_ptr + offs, p, mask=inside)
     tl.store(m_ptr + offs, m, mask=inside)
     tl.store(v_ptr + offs, v, mask=inside)
-    tl.store(low_ptr + offs, p.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)  # as autocast rounds
+    if LOW:
+        tl.store(low_ptr + offs, p.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=inside)  # as autocast rounds
 
 
-def adamw_to_bf16(master, grad, m, v, low, lr, weight_decay, beta1, beta2, eps, step, grad_scale=None):
-    """One AdamW step of an fp32 master (and its moments m, v) from a bf16 gradient, divided by grad_scale (a
-    one-element tensor) if given; the result also into the bf16 weight `low`. The kernel on a GPU; on a CPU the
-    same arithmetic in PyTorch (torch's AdamW, op for op)."""
-    step_size = lr / (1 - beta1**step)
-    bias2_sqrt = math.sqrt(1 - beta2**step)
-    if master.is_cuda:
-        n = master.numel()
-        scale = master if grad_scale is None else grad_scale  # (master stands in, unread, when nothing scales)
-        _adamw_to_bf16[(triton.cdiv(n, 4096),)](master, grad, m, v, low, scale, n, lr, weight_decay, beta1, beta2,
-                                                eps, step_size, bias2_sqrt, SCALED=grad_scale is not None,
-                                                BLOCK=4096, num_warps=8)
+ADAMW_BLOCK, ADAMW_WARPS = 1024, 4  # gpt2's 50 matrices on an H100: 1.27 ms a step with 1,024 and 4 or 2,048 and 8,
+# 1.37 with 2,048 and 4 or 4,096 and 8 (the vectors in torch's fused launch included; torch's fused for all 1.53)
+
+
+def adamw_step(param, grad, m, v, step, lr, weight_decay, beta1, beta2, eps, grad_scale=None, low=None):
+    """One AdamW step of an fp32 parameter and its moments m, v; step: a one-element float tensor, this step's
+    number (already counted); grad divided by grad_scale (a one-element tensor) if given; low: a bf16 tensor that
+    receives the new parameter (then grad may be bf16). The kernel on a GPU; on a CPU the same arithmetic in
+    PyTorch (torch's AdamW, op for op)."""
+    if param.is_cuda:
+        n = param.numel()
+        scale = param if grad_scale is None else grad_scale  # (param stands in, unread, when nothing scales)
+        _adamw[(triton.cdiv(n, ADAMW_BLOCK),)](param, grad, m, v, param if low is None else low, scale, step, n, lr,
+                                               weight_decay, beta1, beta2, eps, SCALED=grad_scale is not None,
+                                               LOW=low is not None, BLOCK=ADAMW_BLOCK, num_warps=ADAMW_WARPS)
         return
     g = grad.float()
     if grad_scale is not None:
         g = g / grad_scale
-    master.mul_(1 - lr * weight_decay)
+    param.mul_(1 - lr * weight_decay)
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    master.addcdiv_(m, (v.sqrt() / bias2_sqrt).add_(eps), value=-step_size)
-    low.copy_(master)
+    bias2_sqrt = math.sqrt(1 - beta2 ** float(step))
+    param.addcdiv_(m, (v.sqrt() / bias2_sqrt).add_(eps), value=-lr / (1 - beta1 ** float(step)))
+    if low is not None:
+        low.copy_(param)
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, whose step gives each CUDA matrix (wte, wpe and the blocks' Linear weights: all but 0.1% of
+    gpt2's parameters) to _adamw, one launch a matrix, and the rest to torch's own step. torch's fused AdamW runs
+    every parameter through a few multi-tensor launches of a few hundred blocks each, at 2.3 TB/s on an H100 for
+    gpt2; the matrices' launches here, thousands of blocks each, reach 2.7 (bench_e2e.py's ladder). The state is
+    torch's (step, exp_avg, exp_avg_sq, the step on the GPU as fused keeps it): checkpoints load either way. Unlike
+    torch's fused AdamW the kernel does not write the gradients back divided by grad_scale (4 bytes a parameter
+    fewer); train_step drops them next anyway. Torch's step takes everything on a CPU, FSDP's sharded (DTensor)
+    parameters, and fp16's skipped steps."""
+
+    def ours(self, group, p):
+        """Whether _adamw steps p: an fp32 CUDA matrix with a contiguous fp32 gradient, not a DTensor, a float lr,
+        neither amsgrad nor maximize, and no fp16 skipped-step check (GradScaler's found_inf)."""
+        g = p.grad
+        if g is None or type(g) is not torch.Tensor or not p.is_cuda or p.dim() < 2:
+            return False
+        if p.dtype != torch.float32 or g.dtype != torch.float32 or not (p.is_contiguous() and g.is_contiguous()):
+            return False
+        unusual = torch.is_tensor(group["lr"]) or group["amsgrad"] or group["maximize"]
+        return not unusual and getattr(self, "found_inf", None) is None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # torch's optimizer interface (distributed checkpoints call step(closure=None))
+            with torch.enable_grad():
+                loss = closure()
+        mine = [(group, p) for group in self.param_groups for p in group["params"] if self.ours(group, p)]
+        for _, p in mine:
+            state = self.state[p]
+            if not state:  # as torch's fused AdamW starts it
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if mine:
+            torch._foreach_add_([self.state[p]["step"] for _, p in mine], 1)  # one launch counts them all
+        for group, p in mine:
+            state, (beta1, beta2) = self.state[p], group["betas"]
+            adamw_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
+                       group["weight_decay"], beta1, beta2, group["eps"], getattr(self, "grad_scale", None))
+        grads = [p.grad for _, p in mine]
+        for _, p in mine:  # torch's step passes over a parameter without a gradient: it does the rest
+            p.grad = None
+        try:
+            super().step()
+        finally:
+            for (_, p), grad in zip(mine, grads):
+                p.grad = grad
+        return loss
 
 
 class MasterWeights:
@@ -864,7 +955,7 @@ class MasterWeights:
 
     Under bf16 autocast every forward casts each fp32 weight to bf16 again, and each backward casts its bf16
     gradient back: two small kernels per weight and step, 96 for gpt2's 48 block Linears. Here the model holds
-    the bf16 copy itself (the forward casts nothing), and one kernel per weight (adamw_to_bf16) reads the bf16
+    the bf16 copy itself (the forward casts nothing), and one kernel per weight (adamw_step's) reads the bf16
     gradient, steps the fp32 master and writes the new bf16 copy. The values are autocast's (the same
     round-to-nearest casts, made once per step instead of once per use); on a CPU training matches it bit for
     bit. The token embedding (tied to the output layer) and every vector stay fp32, as autocast keeps them,
@@ -890,19 +981,19 @@ class MasterWeights:
         self.param_groups = [self.matrices, *self.optimizer.param_groups]  # train_step sets each group's lr
         self.defaults = self.optimizer.defaults
         self.state = self.optimizer.state
-        self.steps = 0
+        self.step_count = torch.zeros((), device=self.masters[0].device)  # the matrices' step number
         self.grad_scale = None  # clip_gradients' divisor on a GPU (a fused AdamW's attribute), passed on by step
 
     @torch.no_grad()
     def step(self):
         self.optimizer.grad_scale = self.grad_scale  # torch's fused AdamW reads it there
-        self.steps += 1
+        self.step_count += 1
         group = self.matrices
         beta1, beta2 = group["betas"]
         for master, low, (m, v) in zip(self.masters, self.low, self.moments):
             if low.grad is not None:
-                adamw_to_bf16(master, low.grad, m, v, low, group["lr"], group["weight_decay"], beta1, beta2,
-                              group["eps"], self.steps, self.grad_scale)
+                adamw_step(master, low.grad, m, v, self.step_count, group["lr"], group["weight_decay"], beta1, beta2,
+                           group["eps"], self.grad_scale, low=low)
         self.optimizer.step()
 
     def zero_grad(self, set_to_none=True):

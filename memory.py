@@ -294,20 +294,29 @@ def block_backward_moments(s, b, alive, during, below, block_saved):
 
 def end_moments(s, base, alive):
     """Backward's end: every gradient (4 P); wte's arrives twice (lm_head, embedding) and is summed into a third
-    buffer; FSDP then reduce-scatters the root. The optimizer: fused AdamW (CUDA) updates in place; the CPU's loop
-    makes two fp32 temporaries the size of wte's shard, the largest tensor."""
+    buffer, or with the fused loss and gpt.TiedEmbedding the embedding's rows are added into a copy of the loss's
+    dW (two buffers); FSDP then reduce-scatters the root. The optimizer: fused AdamW (CUDA) updates in place; the
+    CPU's loop makes two fp32 temporaries the size of wte's shard, the largest tensor."""
     L, d, V = s.config.n_layer, s.config.n_embd, s.config.vocab_size
+    tied = s.config.fused_ce and s.config.embedding_into_dw
+    wte_buffers = 3  # lm_head's, the embedding's and their sum
+    rows = 0
+    if tied:  # the loss's dW and its copy, made while the embedding's gradient rows are alive
+        wte_buffers, rows = 2, s.resid * s.N * d
     grads = 4 * s.params
     if s.fsdp:
         block_shard, root_shard = s.shard(block_shapes(s.config)), s.shard(root_shapes(s.config))
         root_but_wte = numel(root_shapes(s.config)) - V * d
         moments = {"backward end": {**alive, "gradients": L * 4 * block_shard + s.resid * root_but_wte,
-                                    "wte gradient parts + sum": 3 * s.resid * V * d,
+                                    "wte gradient parts + sum": wte_buffers * s.resid * V * d,
+                                    "embedding's gradient rows": rows,
                                     "reduce-scatter input (block 0)": 4 * s.ranks * block_shard},
                    "backward end: root reduce-scatter": {**base, "gradients": grads,
                                                          "reduce-scatter input": 4 * s.ranks * root_shard}}
     else:
-        moments = {"backward end": {**base, "gradients": grads, "wte gradient parts + sum": 8 * V * d}}
+        parts = 4 * (wte_buffers - 1) * V * d  # the sum (or copy) is the gradient, counted in grads
+        moments = {"backward end": {**base, "gradients": grads, "wte gradient parts + sum": parts,
+                                    "embedding's gradient rows": rows}}
     adamw_temps = 0 if s.cuda else 8 * -(-V // s.ranks) * d
     moments["optimizer step"] = {**base, "gradients": grads, "AdamW temporaries (CPU)": adamw_temps}
     return moments

@@ -201,41 +201,83 @@ gpt._cross_entropy_rows[(5,)](b, y, loss_b, b.stride(0), gpt.GPT2_VOCAB, 50304, 
 assert (loss_a - loss_b).abs().max() < 1e-5 and (a - b).abs().max() < 1e-6 and b[:, gpt.GPT2_VOCAB:].abs().max() == 0
 print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
 
-def test_adamw_to_bf16_kernel_matches_torch():
-    """MasterWeights' AdamW kernel (CUDA's path; here interpreted) = its PyTorch path, which is torch's AdamW op for
-    op: masters, moments and the bf16 copies over three steps, a ragged last block included."""
+def test_adamw_kernel_matches_torch():
+    """The AdamW kernel (CUDA's path of gpt.adamw_step; here interpreted) = its PyTorch path, which is torch's AdamW
+    op for op: parameters and moments over three steps, a ragged last block included, with fp32 gradients (gpt.AdamW's
+    matrices) and with bf16 ones and a bf16 copy written (MasterWeights')."""
     assert "kernel ok" in run("-c", r"""
-import math, torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
+import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
 gen = torch.Generator().manual_seed(0)
-n, lr, wd, b1, b2, eps = 5000, 1e-2, 0.1, 0.9, 0.95, 1e-8
-torch_side = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)]
-kernel_side = [t.clone() for t in torch_side]
-for step, scale in ((1, None), (2, torch.tensor([2.5])), (3, None)):  # step 2 clipped: gradients divided by 2.5
-    grad = torch.randn(n, generator=gen).to(torch.bfloat16)
-    gpt.adamw_to_bf16(*torch_side[:1], grad, *torch_side[1:], lr, wd, b1, b2, eps, step, scale)
-    master, m, v, low = kernel_side
-    gpt._adamw_to_bf16[(2,)](master, grad, m, v, low, master if scale is None else scale, n, lr, wd, b1, b2, eps,
-                             lr / (1 - b1**step), math.sqrt(1 - b2**step), SCALED=scale is not None, BLOCK=4096)
-for a, b in zip(torch_side[:3], kernel_side[:3]):  # master, m, v: fp32 rounding apart at most
-    assert (a - b).abs().max() <= 1e-6 * a.abs().max(), (a - b).abs().max()
-low, master = kernel_side[3].float(), kernel_side[0]  # the interpreter truncates bf16 casts, the GPU rounds:
-assert ((low - master).abs() <= master.abs() * 2**-7).all()  # the copy within one bf16 step of its master
+n, settings = 5000, (1e-2, 0.1, 0.9, 0.95, 1e-8)
+for low in (False, True):
+    torch_side = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)]
+    kernel_side = [t.clone() for t in torch_side]
+    step = torch.zeros(())
+    for scale in (None, torch.tensor([2.5]), None):  # the second step clipped: gradients divided by 2.5
+        step += 1
+        grad = torch.randn(n, generator=gen)
+        if low:
+            grad = grad.to(torch.bfloat16)
+        param, m, v, copy = torch_side
+        gpt.adamw_step(param, grad, m, v, step, *settings, scale, copy if low else None)
+        param, m, v, copy = kernel_side
+        gpt._adamw[(2,)](param, grad, m, v, copy, param if scale is None else scale, step, n, *settings,
+                         SCALED=scale is not None, LOW=low, BLOCK=4096)
+    for a, b in zip(torch_side[:3], kernel_side[:3]):  # parameter, m, v: fp32 rounding apart at most
+        assert (a - b).abs().max() <= 1e-6 * a.abs().max(), (low, (a - b).abs().max())
+    if low:  # the interpreter truncates bf16 casts, the GPU rounds: the copy within one bf16 step of its master
+        copy, param = kernel_side[3].float(), kernel_side[0]
+        assert ((copy - param).abs() <= param.abs() * 2**-7).all()
 print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
 
 @gpu
-def test_adamw_to_bf16_gpu_rounds_as_autocast():
+def test_adamw_kernel_gpu_rounds_as_autocast():
     """On the GPU the kernel's bf16 copy is its master rounded to nearest, as autocast's cast; the master follows
     the PyTorch path to fp32 rounding."""
     gen = torch.Generator().manual_seed(0)
     n, settings = 3_000_000, (1e-2, 0.1, 0.9, 0.95, 1e-8)
     cpu = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)]
     gpu = [t.cuda() for t in cpu]
-    for step, scale in ((1, None), (2, torch.tensor([2.5])), (3, None)):  # step 2 clipped
+    cpu_step, gpu_step = torch.zeros(()), torch.zeros((), device="cuda")
+    for scale in (None, torch.tensor([2.5]), None):  # the second step clipped
+        cpu_step += 1
+        gpu_step += 1
         grad = torch.randn(n, generator=gen).to(torch.bfloat16)
-        gpt.adamw_to_bf16(cpu[0], grad, *cpu[1:], *settings, step, scale)
-        gpt.adamw_to_bf16(gpu[0], grad.cuda(), *gpu[1:], *settings, step, None if scale is None else scale.cuda())
+        gpt.adamw_step(cpu[0], grad, cpu[1], cpu[2], cpu_step, *settings, scale, low=cpu[3])
+        gpt.adamw_step(gpu[0], grad.cuda(), gpu[1], gpu[2], gpu_step, *settings,
+                       None if scale is None else scale.cuda(), low=gpu[3])
     assert torch.equal(gpu[3], gpu[0].to(torch.bfloat16))
     assert all((a - b.cpu()).abs().max() <= 1e-6 * a.abs().max() for a, b in zip(cpu[:3], gpu[:3]))
+
+@gpu
+def test_adamw_matches_torch_fused_and_shares_its_checkpoints():
+    """gpt.AdamW (the matrices through the kernel) and torch's fused AdamW, given the same parameters and gradients,
+    take the same five steps (three clipped through grad_scale) to fp32 rounding, and a checkpoint of either loads
+    into the other and continues alike."""
+    model = gpt.GPT(gpt.make_config("tiny")).cuda()
+    x, y = memory.random_batch(model.config, 2, 64, "cuda")
+    _, loss = model(x, y)
+    loss.backward()
+    params = [[p.detach().clone().requires_grad_() for p in model.parameters()] for _ in range(2)]
+    optimizers = [gpt.adamw(params[0], lr=1e-2), gpt.adamw(params[1], lr=1e-2, matrix_kernel=False)]
+    assert type(optimizers[0]) is gpt.AdamW and type(optimizers[1]) is torch.optim.AdamW
+
+    def steps(scales):
+        for scale in scales:
+            for copy, opt in zip(params, optimizers):
+                for p, original in zip(copy, model.parameters()):  # torch's writes them back divided by the scale
+                    p.grad = original.grad.clone()
+                opt.grad_scale = None if scale is None else torch.tensor(scale, device="cuda")
+                opt.step()
+        for a, b in zip(*params):
+            assert (a - b).abs().max() <= 1e-6 * b.abs().max(), (a.shape, (a - b).abs().max())
+
+    steps([None, 2.0, None, 3.0, 1.5])
+    saved = [opt.state_dict() for opt in optimizers]
+    optimizers[0].load_state_dict(saved[1])  # each takes the other's state
+    optimizers[1].load_state_dict(saved[0])
+    steps([None, 2.0])
+    assert optimizers[0].state[params[0][0]]["step"].item() == 7
 
 def gelu_in_matmul(model, on):  # a switch for matches_plain: GeluMLP in every block
     for block in model.h:
