@@ -2,15 +2,15 @@
 
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
 train.py's headline (our Triton attention, fused biases, cuBLAS without a workspace, the tied weight's gradient
-summed in place), then
-levers on the headline (bf16 weights kept by the optimizer, GELU inside the MLP's matmuls, FP8 forced onto every
-block Linear), all rungs in the same rounds of gpt.py's timer (paired ratios); --rungs times a few. --nanogpt
-times nanoGPT's model.py against the headline the same way. The sweep splits a step into forward, backward and
-optimizer by model, batch, context and vocabulary; --warmup-table shows what the first steps pay for; --profile
-groups the step's kernels and sets each group against its limit; --nvtx names the phases for Nsight Systems.
+summed in place, AdamW's own kernel, bf16 weights kept by the optimizer), then levers on the headline (GELU inside
+the MLP's matmuls, FP8 forced onto every block Linear), all rungs in the same rounds of gpt.py's timer (paired
+ratios); --rungs times a few. --nanogpt times nanoGPT's model.py against the headline the same way. The sweep
+splits a step into forward, backward and optimizer by model, batch, context and vocabulary; --warmup-table shows
+what the first steps pay for; --profile groups the step's kernels and sets each group against its limit; --nvtx
+names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
-    python bench_e2e.py --ladder --rungs 13,14,15,16   # the headline and its three levers, paired against it
+    python bench_e2e.py --ladder --rungs 14,15,16,17   # the rung before the headline, it, and its two levers
     python bench_e2e.py --nanogpt ../nanoGPT
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
     python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
@@ -39,8 +39,7 @@ from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, 
                  time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
-HEADLINE = "+ AdamW's matrices by our kernel"  # = python train.py --vocab 50304 --bf16 --compile (on a GPU)
-MASTER_RUNG = "+ bf16 weights kept by the optimizer"
+HEADLINE = "+ bf16 weights kept by the optimizer"  # = python train.py --vocab 50304 --bf16 --compile (on a GPU)
 GELU_RUNG, FP8_RUNG = "+ GELU inside the MLP's matmuls", "+ FP8 block Linears (forced)"
 LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ TF32 matmuls", {"tf32": True}),
@@ -56,14 +55,12 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ biases added by the fused kernels", {"fused_bias": True}),
           ("+ cuBLAS without a workspace", {"cublas_workspace": False}),  # gpt.set_cublas_workspace: no memsets
           ("+ embedding's gradient into the loss's", {"embedding_into_dw": True}),  # gpt.TiedEmbedding
-          (HEADLINE, {"adamw_kernel": True}),  # gpt.AdamW: each matrix's step in one launch of _adamw
+          ("+ AdamW's matrices by our kernel", {"adamw_kernel": True}),  # gpt.AdamW: one launch of _adamw each
+          (HEADLINE, {"master": True}),  # gpt.MasterWeights: the weights cast once a step, by the optimizer
           # levers past the headline: each is the headline plus its own change, timed against the headline
-          (MASTER_RUNG, {"master": True}),
           (GELU_RUNG, {"gelu_mm": True, "fused_bias": False}),  # GeluMLP adds the MLP's biases itself
-          (FP8_RUNG, {"fp8": True}))
+          (FP8_RUNG, {"fp8": True, "master": False}))  # FP8 Linears cast their own weights (as train.py --fp8)
 LEVER_NOTES = {  # printed under the table for each lever that ran
-    MASTER_RUNG: "gpt.MasterWeights, the blocks' Linear weights bf16 in the model and fp32 in the optimizer, whose "
-                 "AdamW kernel writes the bf16 copy; not in train.py (no DDP, FSDP or checkpoints)",
     GELU_RUNG: "gpt.GeluMLP, c_fc's output read through GELU by the matmuls around it (Triton kernels): GELU's "
                "output and the gradient before it never written; not in train.py",
     FP8_RUNG: "gpt.use_fp8(model, min_width=0), all four Linears of each block; by default use_fp8 (train.py "
@@ -320,8 +317,8 @@ def run_nanogpt(path, module, config, B, T, device, plan):
     gpu = device.type == "cuda"
     x, y = batch_of(B, T, device)
     headline = dict(list(rungs())[[n for n, _ in LADDER].index(HEADLINE)][2])
-    if not gpu:  # no compile, no CUDA graphs, fp32, SDPA: a smoke run
-        headline.update(compile=False, graphs=False, dtype=None, attn="sdpa")
+    if not gpu:  # no compile, no CUDA graphs, fp32 (no bf16 weights), SDPA: a smoke run
+        headline.update(compile=False, graphs=False, dtype=None, attn="sdpa", master=False)
     # nanoGPT as its train.py runs it (cuBLAS's workspace on) and, on a GPU, with the headline's cuBLAS setting too:
     # the second row shows how much of the lead is that switch, which any model can take
     theirs = {"nanoGPT model.py": True}
@@ -384,7 +381,8 @@ def flag_settings(plan, vocab):
     """The sweep's, warm-up table's and profile's step: train.py's with these flags (fused loss, norms, biases on)."""
     return {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": vocab,
             "compile": plan.compile, "fused_ce": True, "fused_norms": True, "fused_bias": True,
-            "cublas_workspace": False, "embedding_into_dw": True, "adamw_kernel": True}
+            "cublas_workspace": False, "embedding_into_dw": True, "adamw_kernel": True,
+            "master": plan.dtype == torch.bfloat16}  # as train.py --bf16 in one process
 
 def sweep_cells(name, config, plan, device):
     """{(vocab, batch, seq, mode): variant}, one model per vocabulary shared by its cells. Train cells warm up

@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 import triton
 import triton.language as tl
 
@@ -959,30 +961,36 @@ class MasterWeights:
     gradient, steps the fp32 master and writes the new bf16 copy. The values are autocast's (the same
     round-to-nearest casts, made once per step instead of once per use); on a CPU training matches it bit for
     bit. The token embedding (tied to the output layer) and every vector stay fp32, as autocast keeps them,
-    with torch's AdamW. Gradients clip as with torch's fused AdamW (clip_gradients sets grad_scale; the norm then
-    comes from the bf16 gradients). Not for DDP or FSDP, or checkpoints: those read model.parameters(), which now
-    holds the bf16 copies. Measured on an H100 (gpt2, B=16): no faster than autocast (0.99x); the ~1 GB a step
-    it saves is ~0.3 ms of bandwidth, inside the rounds' spread."""
+    with gpt.AdamW. Gradients clip as with torch's fused AdamW (clip_gradients sets grad_scale). Checkpoints:
+    full_state and load_full_state, in an autocast run's layout. One process only (train.py): DDP would
+    all-reduce, and accumulation add, the gradients in bf16. On an H100 (gpt2, B=16, CUDA graphs, traced) a step
+    takes 0.66 ms less than the same step with autocast's casts (bench_e2e.py's ladder, its last two rungs)."""
 
     def __init__(self, model, lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8):
-        self.low, self.masters, self.moments = [], [], []
-        for block in model.h:
-            for module in block.modules():
-                if type(module) is not nn.Linear:
-                    continue
-                master = module.weight.detach()
-                module.weight = nn.Parameter(master.to(torch.bfloat16))  # what the forward reads
-                self.masters.append(master)
-                self.low.append(module.weight)
-                self.moments.append((torch.zeros_like(master), torch.zeros_like(master)))  # AdamW's m and v
+        self.names, self.low, self.masters, self.moments = [], [], [], []
+        for name, module in model.named_modules():
+            if type(module) is not nn.Linear or not name.startswith("h."):  # the blocks' Linears
+                continue
+            master = module.weight.detach()
+            module.weight = nn.Parameter(master.to(torch.bfloat16))  # what the forward reads
+            self.names.append(name + ".weight")
+            self.masters.append(master)
+            self.low.append(module.weight)
+            self.moments.append((torch.zeros_like(master), torch.zeros_like(master)))  # AdamW's m and v
         self.own = [p for p in model.parameters() if p.dtype == torch.float32]  # their own masters
         self.optimizer = adamw(self.own, lr, weight_decay, betas)
         self.matrices = {"params": self.low, "lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps}
-        self.param_groups = [self.matrices, *self.optimizer.param_groups]  # train_step sets each group's lr
         self.defaults = self.optimizer.defaults
-        self.state = self.optimizer.state
         self.step_count = torch.zeros((), device=self.masters[0].device)  # the matrices' step number
         self.grad_scale = None  # clip_gradients' divisor on a GPU (a fused AdamW's attribute), passed on by step
+
+    @property
+    def param_groups(self):  # train_step sets each group's lr; loading a state replaces the optimizer's groups
+        return [self.matrices, *self.optimizer.param_groups]
+
+    @property
+    def state(self):
+        return self.optimizer.state
 
     @torch.no_grad()
     def step(self):
@@ -999,6 +1007,39 @@ class MasterWeights:
     def zero_grad(self, set_to_none=True):
         for p in self.low + self.own:
             p.grad = None
+
+    def full_state(self, model):
+        """(model state, optimizer state) as an autocast run's checkpoint holds them (full state dicts by parameter
+        name, on the CPU): each master in its bf16 weight's place, its moments and step beside the other weights'.
+        A checkpoint resumes with MasterWeights or without, on one GPU or several."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(model, options=options)
+        optimizer_state = get_optimizer_state_dict(model, self.optimizer, options=options)
+        for name, master, (m, v) in zip(self.names, self.masters, self.moments):
+            model_state[name] = master.cpu()
+            step = self.step_count.detach().cpu().clone()  # a tensor of its own, as torch's AdamW keeps it
+            optimizer_state["state"][name] = {"step": step, "exp_avg": m.cpu(), "exp_avg_sq": v.cpu()}
+        decayed = optimizer_state["param_groups"][0]  # adamw's first group: the matrices, in the model's order
+        order = [name for name, p in model.named_parameters() if p.dim() >= 2]
+        decayed["params"] = [name for name in order if name in decayed["params"] or name in self.names]
+        return model_state, optimizer_state
+
+    @torch.no_grad()
+    def load_full_state(self, model, model_state, optimizer_state):
+        """full_state's inverse: masters, their bf16 weights (rounded as autocast rounds), moments and step, and the
+        other parameters with their own AdamW's state."""
+        for name, master, low, (m, v) in zip(self.names, self.masters, self.low, self.moments):
+            master.copy_(model_state[name])
+            low.copy_(master)
+            m.copy_(optimizer_state["state"][name]["exp_avg"])
+            v.copy_(optimizer_state["state"][name]["exp_avg_sq"])
+            self.step_count.copy_(optimizer_state["state"][name]["step"])
+        options = StateDictOptions(full_state_dict=True, strict=False)  # the bf16 weights are set above
+        set_model_state_dict(model, {k: t for k, t in model_state.items() if k not in self.names}, options=options)
+        state = {k: t for k, t in optimizer_state["state"].items() if k not in self.names}
+        groups = [{**g, "params": [k for k in g["params"] if k not in self.names]}
+                  for g in optimizer_state["param_groups"]]
+        set_optimizer_state_dict(model, self.optimizer, {"state": state, "param_groups": groups}, options=options)
 
 
 def compile_model(model, cuda_graphs=False):
@@ -1051,7 +1092,17 @@ def fully_shard_gpt(model, param_dtype=None):
 def clip_gradients(model, optimizer, max_norm):
     """The gradients' global norm; above max_norm they are scaled down to it (max_norm 0: never)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    grads = [p.grad for p in params]
+    if len({g.dtype for g in grads}) == 1:
+        norm = torch.nn.utils.get_total_norm(grads)
+    else:  # MasterWeights' bf16 gradients beside fp32 ones: get_total_norm would round the bf16 ones' norms to bf16
+        # and stack the mixed dtypes with a copy per gradient (0.2 ms a step for gpt2 on an H100): a multi-tensor
+        # norm per dtype, in fp32
+        by_dtype = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        norms = [n for group in by_dtype.values() for n in torch._foreach_norm(group, 2, dtype=torch.float32)]
+        norm = torch.linalg.vector_norm(torch.stack(norms))
     if hasattr(norm, "full_tensor"):  # FSDP: a DTensor of this rank's part; the whole norm is needed
         norm = norm.full_tensor()
     if max_norm and optimizer.defaults["fused"]:

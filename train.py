@@ -38,11 +38,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gpt  # gpt.NVTX: the switch --nvtx sets
-from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, amp_dtype, autocast, check_host_memory,
-                 check_output_path, clock, compile_model, configure_optimizer, default_attention, elapsed_ms, fail,
-                 float_in, flops_per_token, fmt_mfu, fp8_supported, fully_shard_gpt, gib, gpt2_tokenizer, int_in,
-                 is_oom, load_tokens, make_config, mfu, nvtx_range, on_device, print_table, resolve_device,
-                 set_cublas_workspace, set_tf32, step_bytes, train_step, use_fp8)
+from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, MasterWeights, amp_dtype, autocast,
+                 check_host_memory, check_output_path, clock, compile_model, configure_optimizer, default_attention,
+                 elapsed_ms, fail, float_in, flops_per_token, fmt_mfu, fp8_supported, fully_shard_gpt, gib,
+                 gpt2_tokenizer, int_in, is_oom, load_tokens, make_config, mfu, nvtx_range, on_device, print_table,
+                 resolve_device, set_cublas_workspace, set_tf32, step_bytes, train_step, use_fp8)
 
 # --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
 def wrap(model, run, world, device):
@@ -56,6 +56,11 @@ def wrap(model, run, world, device):
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
 
+def master_weights_apply(run, world):
+    """gpt.MasterWeights: bf16 block weights in the model, fp32 masters in the optimizer, in one process training
+    in bf16 (its gradients would be all-reduced or accumulated in bf16 otherwise); FP8 Linears cast their own."""
+    return run.master_weights and run.bf16 and world == 1 and run.grad_accum == 1 and run.fp8 is None
+
 def build(run, config, state, rank, world, device, log):
     """(raw model, the module the loop calls, optimizer, scaler, first step, read position)."""
     torch.manual_seed(run.seed)  # the same initial weights on every rank
@@ -67,7 +72,10 @@ def build(run, config, state, rank, world, device, log):
             print_fp8_table(plan, run.fp8, config)
     if run.fsdp:
         fully_shard_gpt(raw_model, torch.bfloat16 if run.bf16 else None)  # in place: now sharded
-    optimizer = configure_optimizer(raw_model, run.lr, run.weight_decay)
+    if master_weights_apply(run, world):  # the blocks' weights become bf16 here, before compiling
+        optimizer = MasterWeights(raw_model, run.lr, run.weight_decay)
+    else:
+        optimizer = configure_optimizer(raw_model, run.lr, run.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=run.fp16)  # fp16 gradients underflow without it
     step, pos = 0, 0
     if state is not None:
@@ -339,9 +347,13 @@ def run_fields(run, world):
 def save_checkpoint(path, model, optimizer, scaler, step, pos, run, rank, world):
     if not (run.fsdp or rank == 0):  # gathering FSDP's shards takes every rank; DDP's ranks hold copies
         return
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all, the others {}
-    state = {"kind": KIND, "model": get_model_state_dict(model, options=options),
-             "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
+    if isinstance(optimizer, MasterWeights):  # the fp32 masters, as a run without it saves its weights
+        model_state, optimizer_state = optimizer.full_state(model)
+    else:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all, the others {}
+        model_state = get_model_state_dict(model, options=options)
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    state = {"kind": KIND, "model": model_state, "optimizer": optimizer_state,
              "scaler": scaler.state_dict(), "step": step, "pos": pos, "run": run_fields(run, world),
              "precision": precision_of(run)}
     if rank != 0:
@@ -391,9 +403,12 @@ def apply_checkpoint(state, path, model, optimizer, scaler):
         k = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))[0]
         raise ValueError(f"{path} does not fit this model: {k} is {have.get(k, 'missing')} there, "
                          f"{want.get(k, 'absent')} here")
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, state["model"], options=options)
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+    if isinstance(optimizer, MasterWeights):
+        optimizer.load_full_state(model, state["model"], state["optimizer"])
+    else:
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, state["model"], options=options)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     scaler.load_state_dict(state["scaler"])
     return state["step"], state["pos"]
 
@@ -442,6 +457,9 @@ def parse_args(argv):
                    "(fused by default, except with --fsdp or --recompute)")
     p.add_argument("--no-fused-bias", action="store_true", help="biases added by the matmuls, not by the fused "
                    "GELU and add + LayerNorm kernels (fused with the fused norms by default)")
+    p.add_argument("--no-master-weights", action="store_true", help="autocast's casts of the fp32 weights every "
+                   "step, not bf16 weights kept by the optimizer (gpt.MasterWeights: by default with --bf16 in one "
+                   "process without --grad-accum or --fp8)")
     p.add_argument("--cublas-workspace", action="store_true", help="keep cuBLAS's workspace (PyTorch's default; "
                    "without it, the default here, cuBLAS's Hopper kernels need no memset before each matmul)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -499,6 +517,7 @@ class Run:
     fused_norms: bool
     fused_bias: bool
     cublas_workspace: bool
+    master_weights: bool  # asked for (not --no-master-weights); used where master_weights_apply says
     compile: bool
     attn: str
     fsdp: bool
@@ -528,7 +547,8 @@ def settings(args, argv, device):
                min_lr=min_lr, warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                eval_every=args.eval_every, eval_steps=args.eval_steps, bf16=args.bf16, fp16=args.fp16,
                tf32=args.tf32, fp8=args.fp8, fused_ce=not args.no_fused_ce, fused_norms=not args.no_fused_norms,
-               fused_bias=not args.no_fused_bias, cublas_workspace=args.cublas_workspace, compile=args.compile,
+               fused_bias=not args.no_fused_bias, cublas_workspace=args.cublas_workspace,
+               master_weights=not args.no_master_weights, compile=args.compile,
                attn=args.attn, fsdp=args.fsdp, recompute=args.recompute or 0, sample=args.sample, seed=args.seed,
                data=args.data,
                ckpt=args.ckpt, resume=args.resume, argv=tuple(argv))
