@@ -1,10 +1,11 @@
 """GPT-2 in one file: the model every nanoperf script trains, times or takes apart, then the tools they share.
 
-Part 1, the model: GPT-2 (pre-LayerNorm blocks, learned positions, tied embeddings) with three speed-ups built in:
-the output layer fused with the loss over chunks of tokens, so the [tokens, vocab] logits never exist; each residual
-add fused with the LayerNorm after it, one Triton kernel forward and one backward; FP8 matmuls for wide Linears.
-Part 2, the shared tools: the optimizer, one training step, FLOPs and MFU, the tokenizer, the one timer, flag types
-and small helpers.
+Part 1, the model: GPT-2 (pre-LayerNorm blocks, learned positions, tied embeddings) with its speed-ups built in:
+the output layer fused with the loss over chunks of tokens, so the [tokens, vocab] logits never exist, the tied
+embedding's gradient added into the loss's; each residual add fused with the LayerNorm after it, one Triton kernel
+forward and one backward; FP8 matmuls for wide Linears. Part 2, the shared tools: AdamW with its own kernel for the
+matrices, the bf16 weights it can keep (MasterWeights), one training step, FLOPs and MFU, the tokenizer, the one
+timer, flag types and small helpers.
 
     python gpt.py                  # the presets: parameters and training FLOPs per token
     python gpt.py --model gpt2     # where one preset's parameters are

@@ -666,8 +666,9 @@ def test_train_master_weights_resume_exactly_and_share_checkpoints():
     stopped and resumed, every loss is the whole run's, and it loses as autocast does; its checkpoint holds the fp32
     masters as a run without it saves its weights, so either kind of run resumes the other's checkpoint."""
     bf16 = [*TINY, "--bf16"]
-    whole = train_main(*bf16)[0]
-    autocast = train_main(*bf16, "--no-master-weights")[0]
+    whole, out = train_main(*bf16)
+    autocast, out_autocast = train_main(*bf16, "--no-master-weights")
+    assert "bf16 weights kept by the optimizer |" in out and "kept by the optimizer" not in out_autocast, out
     torch.testing.assert_close(whole, autocast, atol=1e-3, rtol=0)  # the same math: the clip's norm summed apart
     with tempfile.TemporaryDirectory() as tmp:
         first = train_main(*bf16, "--ckpt", f"{tmp}/m.pt", "--stop-after", 3)[0]

@@ -4,7 +4,9 @@ Each flag is a speed-up the other scripts measure: --tf32, --bf16 / --fp16, --at
 (on one GPU with CUDA graphs), --fp8 (H100/H200, in the block layers wide enough to gain); on by default, the
 output layer fused with the loss (--no-fused-ce turns it off), each residual add fused with the LayerNorm after
 it (--no-fused-norms), the MLP's and c_proj's biases added by those kernels (--no-fused-bias), cuBLAS without a
-workspace, so no memset runs before each matmul (--cublas-workspace keeps PyTorch's) and, on a GPU in bf16/fp16,
+workspace, so no memset runs before each matmul (--cublas-workspace keeps PyTorch's), the tied embedding's gradient
+added into the fused loss's, AdamW's matrices stepped by gpt.py's kernel, in one process with --bf16 the blocks'
+weights kept in bf16 by the optimizer, cast once a step (--no-master-weights) and, on a GPU in bf16/fp16,
 flash_triton.py's attention (--attn sdpa for SDPA's). The loop never makes the GPU wait: a step's loss
 is read back while the GPU runs the next. Several GPUs: torchrun, DDP or --fsdp (FSDP2: weights, gradients and
 optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C saves --ckpt
@@ -201,7 +203,10 @@ def train(run, config, data, state, rank, world, device):
     no_sync = model.no_sync if isinstance(model, DDP) else None
     tokens_per_step = run.batch * run.seq * run.grad_accum * world
     flops_per_step = flops_per_token(config, run.seq) * tokens_per_step / world  # per GPU
-    log(f"model {run.model}: {raw_model.num_params():,} parameters, attention {config.attn} | "
+    weights = ""
+    if isinstance(optimizer, MasterWeights):
+        weights = ", bf16 weights kept by the optimizer"
+    log(f"model {run.model}: {raw_model.num_params():,} parameters, attention {config.attn}{weights} | "
         f"{tokens_per_step:,} tokens per step "
         f"(batch {run.batch} x seq {run.seq} x accum {run.grad_accum} x {processes(world, run.fsdp)})")
     if eval_plan[0] < run.batch:
