@@ -1034,7 +1034,7 @@ class MasterWeights:
             low.copy_(master)
             m.copy_(optimizer_state["state"][name]["exp_avg"])
             v.copy_(optimizer_state["state"][name]["exp_avg_sq"])
-            self.step_count.copy_(optimizer_state["state"][name]["step"])
+        self.step_count.copy_(optimizer_state["state"][self.names[0]]["step"])  # one count for all the masters
         options = StateDictOptions(full_state_dict=True, strict=False)  # the bf16 weights are set above
         set_model_state_dict(model, {k: t for k, t in model_state.items() if k not in self.names}, options=options)
         state = {k: t for k, t in optimizer_state["state"].items() if k not in self.names}
