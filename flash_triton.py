@@ -4,6 +4,8 @@ Attention never needs the (S, S) score matrix in memory: each program keeps a ti
 chip, streams key/value tiles past it with an online softmax (a running max and sum), and writes O
 and the row logsumexp L once. The backward recomputes P from Q, K and L, with one kernel owning dQ
 per query tile and one owning dK/dV per key tile: no atomics, bitwise deterministic gradients.
+On Hopper (with triton 3.6) the backward's passes over long sequences run as Gluon kernels instead,
+the same math with each matmul's issue and wait written out, so exp2 and dS run under them (2b).
 This file imports nothing from the repository: copy it and it runs.
 
     python flash_triton.py                 # the benchmark (on a CPU: the kernels vs the reference, --shapes too)
@@ -38,6 +40,17 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 import triton
 import triton.language as tl
+
+try:  # Gluon, Triton's lower-level dialect (section 2b). Experimental: its API moves between releases.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # written and measured with triton 3.6 (3.9 renamed its copies), never under the interpreter
+    GLUON = triton.__version__.startswith("3.6.") and not INTERPRETED
+except ImportError:  # an older triton: the decorators below only wrap the Gluon kernels, which never run
+    gluon, gl, GLUON = triton, tl, False
 
 if INTERPRETED:  # triton <= 3.6's interpreter takes int() of a 1-element array for a loop bound,
     from triton.runtime import interpreter  # which numpy refuses: range(0, n, BLOCK) fails. As 3.9 does:
@@ -285,6 +298,268 @@ def _attn_dkdv_kernel(Q, K, V, DO, L, Delta, DKV, sqb, sqh, sqn, skb, skh, skn, 
 
 # takeaway: the backward recomputes P from L, and each gradient has one owner: no atomics, deterministic.
 
+# --- 2b. Hopper: the two backward passes in Gluon, their matmuls overlapped (FlashAttention-3's way)
+#
+# Hopper's tensor cores run asynchronously: wgmma is issued, the warpgroup goes on, and a wait retires
+# it. Triton retires every matmul whose result is not a loop-carried accumulator at once (its IR puts
+# `warp_group_dot_wait {pendings = 0}` straight after S's and dP's dots), so above the tensor cores sit
+# idle while the warpgroup computes exp2 and dS. Gluon, Triton's lower-level dialect, leaves the schedule
+# to the kernel: shared memory, TMA copies and their mbarriers, and each wgmma's issue and wait are
+# written out. Per tile: issue S and dP back to back, wait for S only (wait(1)), compute P while dP runs,
+# wait for dP, compute dS, issue the gradient's matmul and leave it running into the next tile. Used on
+# Hopper for 16-bit inputs of head dim 64 or 128 when called eagerly (GLUON_PASSES says which pass where:
+# each where it measured faster); torch.compile traces the Triton kernels above.
+
+
+@gluon.jit
+def _key_start(t, n_diag, diag_start, BLOCK_N: gl.constexpr):
+    # the t-th key tile a dQ program visits: the diagonal ones first (from diag_start), then 0, BLOCK_N, ...
+    if t < n_diag:
+        start = diag_start + t * BLOCK_N
+    else:
+        start = (t - n_diag) * BLOCK_N
+    return start
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, t, n_tiles, n_diag, diag_start, b, h,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    # the copy engine loads key tile t (if there is one) into ring stage t % NUM_STAGES; ready[stage] flips when done
+    stage = t % NUM_STAGES
+    pred = t < n_tiles
+    start = _key_start(t, n_diag, diag_start, BLOCK_N)
+    bar = ready.index(stage)
+    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [b, h, start, 0], bar, k_smem.index(stage), pred)
+    tma.async_copy_global_to_shared(v_desc, [b, h, start, 0], bar, v_smem.index(stage), pred)
+
+
+@gluon.jit
+def _dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, L, Delta, sob, soh, son, H, Nq, Nk,
+                     qk_scale, scale, CAUSAL: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    # _attn_dq_kernel's work (Delta, then dQ of one query tile) with one warpgroup of 4 warps, BLOCK_M = 64 rows.
+    # The descriptors are 4-D over (B, H, S, D) with the tensors' own strides: rows past S read as zeros and
+    # stores past S are clipped, for the model's head-transposed layout too.
+    gl.static_assert(BLOCK_M == 16 * gl.num_warps(), "each warp owns 16 query rows")
+    dtype: gl.constexpr = q_desc.dtype
+    qk_scale = qk_scale.to(gl.float32)
+    scale = scale.to(gl.float32)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    if CAUSAL:  # the longest query tiles first
+        start_m = gl.cdiv(Nq, BLOCK_M) - 1 - gl.program_id(0)
+    else:
+        start_m = gl.program_id(0)
+    off_m = start_m * BLOCK_M
+
+    # register layouts: S and dP are [BLOCK_M, BLOCK_N] wgmma accumulators, dQ [BLOCK_M, D]; dS feeds dQ's
+    # wgmma from registers (its A operand)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                        instr_shape=[16, D, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])  # 16-byte loads of O, dO
+
+    # shared memory: Q and dO once; a ring of K and V tiles; the descriptors' blocks are [1, 1, rows, D]
+    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, D], v_desc.layout)
+    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(qbar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()  # the barriers' initialization, visible to the copy engine
+
+    if CAUSAL:  # the diagonal (masked) tiles, then every tile left of it
+        diag_start = off_m
+        n_diag = gl.maximum(gl.cdiv(gl.minimum(off_m + BLOCK_M, Nk) - diag_start, BLOCK_N), 0)
+        n_tiles = n_diag + gl.cdiv(gl.minimum(diag_start, Nk), BLOCK_N)
+    else:
+        diag_start = 0
+        n_diag = 0
+        n_tiles = gl.cdiv(Nk, BLOCK_N)
+
+    mbarrier.expect(qbar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, off_m, 0], qbar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [b, h, off_m, 0], qbar, do_smem)
+    for i in gl.static_range(NUM_STAGES - 1):  # the first key tiles in flight
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, i, n_tiles, n_diag, diag_start, b, h, BLOCK_N, NUM_STAGES)
+
+    # Delta = rowsum(dO * O) of this tile's rows, for the loop and for the dK/dV kernel
+    rows_b = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
+    cols_b = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    o = gl.load(O + b * sob + h * soh + rows_b[:, None] * son + cols_b[None, :], mask=rows_b[:, None] < Nq,
+                other=0.0)
+    q2d = q_smem.reshape([BLOCK_M, D])
+    do2d = do_smem.reshape([BLOCK_M, D])
+    mbarrier.wait(qbar, 0)
+    delta_b = gl.sum(o.to(gl.float32) * do2d.load(blk).to(gl.float32), axis=1)
+    gl.store(Delta + bh * Nq + rows_b, delta_b, mask=rows_b < Nq)
+    delta = gl.convert_layout(delta_b, row_layout)
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
+    lse2 = gl.load(L + bh * Nq + offs_m, mask=offs_m < Nq, other=float("inf")) * LOG2E_K  # rows past Nq: P = 0
+
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, D], gl.float32, dq_layout))
+    for j in range(n_tiles):
+        stage = j % NUM_STAGES
+        mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
+        kt = k_smem.index(stage).reshape([BLOCK_N, D])
+        vt = v_smem.index(stage).reshape([BLOCK_N, D])
+        s = warpgroup_mma(q2d, kt.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do2d, vt.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s, dq = warpgroup_mma_wait(1, deps=(s, dq))  # S and dQ_{j-1} done (they retire in order); dP in flight
+        gl.thread_barrier()  # every warp is past tile j-1's dQ matmul: its ring stage may be overwritten
+        _issue_kv(k_desc, v_desc, k_smem, v_smem, ready, j + NUM_STAGES - 1, n_tiles, n_diag, diag_start, b, h,
+                  BLOCK_N, NUM_STAGES)
+        p = gl.exp2(s * qk_scale - lse2[:, None])  # while dP runs; key rows past Nk are zeros: no mask needed
+        if CAUSAL:
+            if j < n_diag:
+                offs_n = diag_start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+                p = gl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), ds_layout)
+        dq = warpgroup_mma(ds, kt, dq, is_async=True)  # left running into the next tile's S and dP
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    mbarrier.invalidate(qbar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+    q2d.store((dq * scale).to(dtype))  # dQ * scale out through Q's buffer, which no matmul reads any more
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [b, h, off_m, 0], q_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, H, Nq, qk_scale, scale,
+                       CAUSAL: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_STAGES: gl.constexpr):
+    # _attn_dkdv_kernel's work for one key tile of BLOCK_N = 64 keys (one warpgroup), query slices of BLOCK_M
+    # streaming through a ring; P^T and dS^T feed their matmuls from shared memory (fewer live registers).
+    gl.static_assert(BLOCK_N == 16 * gl.num_warps(), "each warp owns 16 key rows")
+    dtype: gl.constexpr = q_desc.dtype
+    qk_scale = qk_scale.to(gl.float32)
+    scale = scale.to(gl.float32)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    start_n = gl.program_id(0) * BLOCK_N
+    L += bh * Nq
+    Delta += bh * Nq
+
+    # register layouts: S^T and dP^T are [BLOCK_N, BLOCK_M] wgmma accumulators, dK and dV [BLOCK_N, D]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                        instr_shape=[16, D, 16])
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # along the query slice
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # along the key tile
+    vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])  # L, Delta: one register each
+
+    # shared memory: K and V once; a ring of Q and dO slices; P^T and dS^T on their way into the matmuls
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, D], do_desc.layout)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, h, start_n, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b, h, start_n, 0], kv_bar, v_smem)
+    if CAUSAL:  # query slices before the key tile see none of it
+        lo = start_n
+    else:
+        lo = 0
+    n_iter = (Nq - lo + BLOCK_M - 1) // BLOCK_M  # <= 0 when lo >= Nq: dK = dV = 0
+    slice_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+    for i in gl.static_range(NUM_STAGES - 1):  # the first query slices in flight
+        mbarrier.expect(ready.index(i), slice_bytes, pred=i < n_iter)
+        tma.async_copy_global_to_shared(q_desc, [b, h, lo + i * BLOCK_M, 0], ready.index(i), q_smem.index(i),
+                                        pred=i < n_iter)
+        tma.async_copy_global_to_shared(do_desc, [b, h, lo + i * BLOCK_M, 0], ready.index(i), do_smem.index(i),
+                                        pred=i < n_iter)
+
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
+    zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    # The zero accumulators pass through a (no-op) wait, which defines their registers before the loop: a register
+    # of an in-flight wgmma defined otherwise on some path to its wait (here: the loop's zero-trip exit) makes
+    # ptxas serialize every wgmma of the kernel (its warning C7515).
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(gl.zeros([BLOCK_N, D], gl.float32, kv_layout),
+                                                         gl.zeros([BLOCK_N, D], gl.float32, kv_layout)))
+    dk = warpgroup_mma_init(dk)
+    dv = warpgroup_mma_init(dv)
+    k_t = k_smem.reshape([BLOCK_N, D])
+    v_t = v_smem.reshape([BLOCK_N, D])
+    mbarrier.wait(kv_bar, 0)
+
+    for j in range(n_iter):
+        start_m = lo + j * BLOCK_M
+        stage = j % NUM_STAGES
+        offs_v = start_m + gl.arange(0, BLOCK_M, layout=vec_layout)  # rows past Nq: L = +inf, so P^T = 0
+        lse2_v = gl.load(L + offs_v, mask=offs_v < Nq, other=float("inf"))
+        delta_v = gl.load(Delta + offs_v, mask=offs_v < Nq, other=0.0)
+        mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
+        q_t = q_smem.index(stage).reshape([BLOCK_M, D])
+        do_t = do_smem.index(stage).reshape([BLOCK_M, D])
+        sT = warpgroup_mma(k_t, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        # in flight, oldest first: dV_{j-1}, dK_{j-1}, S^T, dP^T. Leave dP^T; p_smem and ds_smem are free again.
+        sT, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv))
+        nj = j + NUM_STAGES - 1  # slice j-1's stage is free: load slice j+NUM_STAGES-1 into it
+        ns = nj % NUM_STAGES
+        mbarrier.expect(ready.index(ns), slice_bytes, pred=nj < n_iter)
+        tma.async_copy_global_to_shared(q_desc, [b, h, lo + nj * BLOCK_M, 0], ready.index(ns), q_smem.index(ns),
+                                        pred=nj < n_iter)
+        tma.async_copy_global_to_shared(do_desc, [b, h, lo + nj * BLOCK_M, 0], ready.index(ns), do_smem.index(ns),
+                                        pred=nj < n_iter)
+
+        lse2 = gl.convert_layout(lse2_v, col_layout) * LOG2E_K
+        pT = gl.exp2(sT * qk_scale - lse2[None, :])  # while dP^T runs
+        if CAUSAL:
+            if start_m < start_n + BLOCK_N:  # the diagonal slice(s): only queries at or after their key
+                offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+                pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        p_smem.store(pT.to(dtype))
+        fence_async_shared()
+        dv = warpgroup_mma(p_smem, do_t, dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))  # dP^T done; dV still running
+        dsT = pT * (dpT - gl.convert_layout(delta_v, col_layout)[None, :])
+        ds_smem.store(dsT.to(dtype))
+        fence_async_shared()
+        dk = warpgroup_mma(ds_smem, q_t, dk, is_async=True)  # left running into the next slice's S^T and dP^T
+
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+    # out through shared memory and TMA stores (rows past Nk clipped by the copy engine)
+    dk_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], dk_desc.layout)
+    dv_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], dv_desc.layout)
+    dk_smem.reshape([BLOCK_N, D]).store((dk * scale).to(dtype))
+    dv_smem.reshape([BLOCK_N, D]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, h, start_n, 0], dk_smem)
+    tma.async_copy_shared_to_global(dv_desc, [b, h, start_n, 0], dv_smem)
+    tma.store_wait(pendings=0)
+
+# takeaway: where the compiler serializes the matmuls, writing out each one's issue and wait lets the exponentials and
+# dS run under them: the same math, faster where the registers allow it.
+
 # --- 3. tile configurations, launchers and the autograd.Function
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, 16-bit inputs; dkdv iterates BLOCK_M query slices
@@ -302,6 +577,16 @@ TMA_HEAD_DIMS = (128,)  # tiles load through Hopper's tensor-memory accelerator 
 FP32_TILES = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
 INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
 KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_dkdv_kernel, "dq": _attn_dq_kernel}
+# The backward passes that run as Gluon kernels (section 2b), per head dim: (up to SHORT_SEQ tokens, longer), each
+# where it measured faster than its Triton kernel (the pass alone, do_bench, 5 repeats, H200): dQ 0.94x at S16384
+# D64, 0.85x at B4 S4096 D128, 0.93x at S16384 D128; dK/dV 0.91x and 0.95x at those two, but 1.03-1.07x at S16384
+# D64, where Triton's dK/dV kernel keeps the job. At GPT-2's 1,024 tokens the passes take 0.92x and 0.84x the GPU
+# time, but launching a Gluon kernel (its descriptors built, its arguments specialized: no kept launcher) costs the
+# host more than that: called, forward+backward took 0.424 ms against 0.360 (H100). Short sequences keep Triton's.
+GLUON_PASSES = {64: ((), ("dq",)), 128: ((), ("dq", "dkdv"))}
+GLUON_TILES = {"dq": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2)}  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+SM90 = {}  # device -> is it a Hopper GPU (compute capability 9.0)
 
 
 # Triton's kernel[grid](...) derives, at every call, what it specializes on (each integer's value 1 or
@@ -369,6 +654,28 @@ def _use_tma(*tensors):  # fp32 keeps the exact-dot path
             all(map(_aligned, tensors)))
 
 
+def _gluon_passes(q4, n, *tensors):
+    """The backward passes that run as Gluon kernels: on a Hopper GPU, for 16-bit inputs of a head dim in
+    GLUON_PASSES whose tensors TMA can address, when not traced by torch.compile; else none."""
+    if not GLUON or q4.dtype not in GLUON_DTYPES or q4.shape[-1] not in GLUON_PASSES:
+        return ()
+    if torch.compiler.is_compiling() or not all(map(_aligned, tensors)):
+        return ()
+    if q4.device not in SM90:
+        SM90[q4.device] = torch.cuda.get_device_capability(q4.device) == (9, 0)
+    if not SM90[q4.device]:
+        return ()
+    short, longer = GLUON_PASSES[q4.shape[-1]]
+    return short if n <= SHORT_SEQ else longer
+
+
+def _descriptor(t, rows):
+    # a TMA descriptor over a (B, H, S, D) view with its own strides: blocks of `rows` rows of one head
+    block = [1, 1, rows, t.shape[-1]]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, GLUON_DTYPES[t.dtype]))
+
+
 def _as_4d(t):
     # (batch, seq, d) -> (batch, 1, seq, d), (..., heads, seq, d) -> (batch, heads, seq, d); last dim contiguous
     if t.dim() != 4:
@@ -412,11 +719,29 @@ def _backward(q4, k4, v4, o4, do4, lse, dq, dkv, causal, scale, precision):
     qkv_strides = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3])
     tail = (H, Nq, Nk, scale * LOG2E, scale)
     meta = dict(CAUSAL=causal, D=D, PRECISION=precision, TMA=_use_tma(q4, k4, v4, do4))
+    gluon_passes = _gluon_passes(q4, Nq, q4, k4, v4, do4)  # (the gradients' buffers are aligned: _grad_buffer)
     # dQ first: it also writes D = rowsum(dO * O), which the dK/dV kernel reads. No atomics.
-    _launch("dq", Nq, B * H, (q4, k4, v4, o4, do4, lse, delta, dq[0]),
-            (*qkv_strides, *o4.stride()[:3], *do4.stride()[:3], *dq[1], *tail), **meta)
-    _launch("dkdv", Nk, B * H, (q4, k4, v4, do4, lse, delta, dkv[0]),
-            (*qkv_strides, *do4.stride()[:3], *dkv[1], dkv[2], dkv[3], *tail), **meta)
+    if "dq" in gluon_passes:
+        bm, bn, warps, stages = GLUON_TILES["dq"]
+        dq4 = dq[0].as_strided(q4.shape, (*dq[1], 1))  # dQ as a (B, H, S, D) view, for its descriptor
+        _dq_gluon_kernel[((Nq + bm - 1) // bm, B * H)](
+            _descriptor(q4, bm), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(do4, bm), _descriptor(dq4, bm),
+            o4, lse, delta, *o4.stride()[:3], *tail, CAUSAL=causal, D=D, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=stages,
+            num_warps=warps)
+    else:
+        _launch("dq", Nq, B * H, (q4, k4, v4, o4, do4, lse, delta, dq[0]),
+                (*qkv_strides, *o4.stride()[:3], *do4.stride()[:3], *dq[1], *tail), **meta)
+    if "dkdv" in gluon_passes:
+        bm, bn, warps, stages = GLUON_TILES["dkdv"]
+        dk4 = dkv[0].as_strided(k4.shape, (*dkv[1], 1), dkv[0].storage_offset() + dkv[2])
+        dv4 = dkv[0].as_strided(k4.shape, (*dkv[1], 1), dkv[0].storage_offset() + dkv[3])
+        _dkdv_gluon_kernel[((Nk + bn - 1) // bn, B * H)](
+            _descriptor(q4, bm), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(do4, bm), _descriptor(dk4, bn),
+            _descriptor(dv4, bn), lse, delta, H, Nq, scale * LOG2E, scale, CAUSAL=causal, D=D, BLOCK_M=bm,
+            BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
+    else:
+        _launch("dkdv", Nk, B * H, (q4, k4, v4, do4, lse, delta, dkv[0]),
+                (*qkv_strides, *do4.stride()[:3], *dkv[1], dkv[2], dkv[3], *tail), **meta)
 
 
 def _precision(q, precision):

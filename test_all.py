@@ -1902,6 +1902,7 @@ def test_flash_kept_launchers_same_answer_new_alignment_new_kernel():
     """A shape's second call goes through the compiled kernel kept from its first, bit for bit the same; a tensor
     at an address Triton specializes differently (2 bytes past 16-byte alignment) gets a kernel of its own."""
     import flash_triton as ft
+    ft.GLUON = False  # (this process only) the Gluon backward passes launch through Triton's own launcher
     q, k, v, do = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     first = ft.flash_attention(*leaves, True)
@@ -1915,6 +1916,47 @@ def test_flash_kept_launchers_same_answer_new_alignment_new_kernel():
     assert q_odd.data_ptr() % 16 != 0
     assert rel_err(ft.flash_attention(q_odd, k, v, True).float(), first.float()) < 1e-3
     assert len(ft.LAUNCHERS) == kept + 1  # a forward compiled for the unaligned q
+
+@gpu
+def test_flash_gluon_passes_match_the_triton_kernels():
+    """On a Hopper GPU with triton 3.6 the backward's Gluon passes run where GLUON_PASSES says, and their gradients
+    are the Triton kernels' to within 16-bit rounding: causal and not, ragged, Nq != Nk, D64 and D128, both 16-bit
+    dtypes, the model's head-transposed layout; bitwise the same when run twice (no atomics)."""
+    import flash_triton as ft
+    import triton
+    assert ft.GLUON == triton.__version__.startswith("3.6."), (ft.GLUON, triton.__version__)
+    hopper = ft.GLUON and torch.cuda.get_device_capability() == (9, 0)  # else: no Gluon pass anywhere
+    cases = [((2, 4, 1024, 64), (2, 4, 1024, 64), True, ()),  # up to SHORT_SEQ tokens: Triton's kernels
+             ((1, 2, 2100, 64), (1, 2, 2100, 64), True, ("dq",)),  # longer at D64: dQ only
+             ((2, 3, 1517, 128), (2, 3, 1781, 128), False, ("dq", "dkdv")),
+             ((1, 2, 1500, 128), (1, 2, 1500, 128), True, ("dq", "dkdv"))]
+    for dtype in (torch.bfloat16, torch.float16):
+        for shape_q, shape_k, causal, passes in cases:
+            gen = torch.Generator(device="cuda").manual_seed(5)
+            q, k, v, do = (torch.randn(s, generator=gen, device="cuda").to(dtype)
+                           for s in (shape_q, shape_k, shape_k, shape_q))
+            assert ft._gluon_passes(q, shape_q[2], q, k, v, do) == (passes if hopper else ())
+            grads = {}
+            for gluon in (True, False):
+                ft.GLUON = gluon and hopper
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                grads[gluon] = torch.autograd.grad(ft.flash_attention(*leaves, causal), leaves, do)
+                if gluon:
+                    again = torch.autograd.grad(ft.flash_attention(*leaves, causal), leaves, do)
+                    assert all(torch.equal(a, b) for a, b in zip(grads[gluon], again)), "not deterministic"
+            ft.GLUON = hopper
+            errs = [rel_err(a.float(), b.float()) for a, b in zip(grads[True], grads[False])]
+            assert max(errs) < 1e-2, (dtype, shape_q, causal, errs)
+    # the model's layout: q, k, v read from one (B, S, 3C) projection, their gradients written into one
+    qkv = torch.randn(2, 1100, 3 * 4 * 128, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(2, 1100, 4 * 128, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for gluon in (True, False):
+        ft.GLUON = gluon and hopper
+        leaf = qkv.clone().requires_grad_()
+        (grads[gluon],) = torch.autograd.grad(ft.flash_attention_qkv(leaf, 4), leaf, dy)
+    ft.GLUON = hopper
+    assert rel_err(grads[True].float(), grads[False].float()) < 1e-2
 
 @gpu
 def test_flash_tile_search_times_candidates_today_first():
