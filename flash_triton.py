@@ -577,13 +577,13 @@ TMA_HEAD_DIMS = (128,)  # tiles load through Hopper's tensor-memory accelerator 
 FP32_TILES = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
 INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
 KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_dkdv_kernel, "dq": _attn_dq_kernel}
-# The backward passes that run as Gluon kernels (section 2b), per head dim: (up to SHORT_SEQ tokens, longer), each
-# where it measured faster than its Triton kernel (the pass alone, do_bench, 5 repeats, H200): dQ 0.94x at S16384
-# D64, 0.85x at B4 S4096 D128, 0.93x at S16384 D128; dK/dV 0.91x and 0.95x at those two, but 1.03-1.07x at S16384
-# D64, where Triton's dK/dV kernel keeps the job. At GPT-2's 1,024 tokens the passes take 0.92x and 0.84x the GPU
+# The backward passes that run as Gluon kernels (section 2b) past SHORT_SEQ tokens, per head dim, each where it
+# measured faster than its Triton kernel (the pass alone, do_bench, 5 repeats, H200): dQ 0.94x at S16384 D64,
+# 0.85x at B4 S4096 D128, 0.93x at S16384 D128; dK/dV 0.91x and 0.95x at those two, but 1.03-1.07x at S16384 D64,
+# where Triton's dK/dV kernel keeps the job. At GPT-2's 1,024 tokens the passes take 0.92x and 0.84x the GPU
 # time, but launching a Gluon kernel (its descriptors built, its arguments specialized: no kept launcher) costs the
 # host more than that: called, forward+backward took 0.424 ms against 0.360 (H100). Short sequences keep Triton's.
-GLUON_PASSES = {64: ((), ("dq",)), 128: ((), ("dq", "dkdv"))}
+GLUON_PASSES = {64: ("dq",), 128: ("dq", "dkdv")}
 GLUON_TILES = {"dq": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2)}  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 SM90 = {}  # device -> is it a Hopper GPU (compute capability 9.0)
@@ -656,8 +656,8 @@ def _use_tma(*tensors):  # fp32 keeps the exact-dot path
 
 def _gluon_passes(q4, n, *tensors):
     """The backward passes that run as Gluon kernels: on a Hopper GPU, for 16-bit inputs of a head dim in
-    GLUON_PASSES whose tensors TMA can address, when not traced by torch.compile; else none."""
-    if not GLUON or q4.dtype not in GLUON_DTYPES or q4.shape[-1] not in GLUON_PASSES:
+    GLUON_PASSES longer than SHORT_SEQ tokens whose tensors TMA can address, when not traced by torch.compile."""
+    if not GLUON or q4.dtype not in GLUON_DTYPES or q4.shape[-1] not in GLUON_PASSES or n <= SHORT_SEQ:
         return ()
     if torch.compiler.is_compiling() or not all(map(_aligned, tensors)):
         return ()
@@ -665,8 +665,7 @@ def _gluon_passes(q4, n, *tensors):
         SM90[q4.device] = torch.cuda.get_device_capability(q4.device) == (9, 0)
     if not SM90[q4.device]:
         return ()
-    short, longer = GLUON_PASSES[q4.shape[-1]]
-    return short if n <= SHORT_SEQ else longer
+    return GLUON_PASSES[q4.shape[-1]]
 
 
 def _descriptor(t, rows):
