@@ -5,7 +5,8 @@ chip, streams key/value tiles past it with an online softmax (a running max and 
 and the row logsumexp L once. The backward recomputes P from Q, K and L, with one kernel owning dQ
 per query tile and one owning dK/dV per key tile: no atomics, bitwise deterministic gradients.
 On Hopper (with triton 3.6) long sequences run as Gluon kernels instead (2b): the same math with
-each matmul's issue and wait written out, so the softmax's exp2 (and the backward's dS) run under them.
+each matmul's issue and wait written out, so the softmax's exp2 (and the backward's dS) run under them,
+and a forward whose warps specialize: one partition loads, two compute.
 This file imports nothing from the repository: copy it and it runs.
 
     python flash_triton.py                 # the benchmark (on a CPU: the kernels vs the reference, --shapes too)
@@ -307,19 +308,20 @@ def _attn_dkdv_kernel(Q, K, V, DO, L, Delta, DKV, sqb, sqh, sqn, skb, skh, skn, 
 # to the kernel: shared memory, TMA copies and their mbarriers, and each wgmma's issue and wait are
 # written out. Per tile: issue S and dP back to back, wait for S only (wait(1)), compute P while dP runs,
 # wait for dP, compute dS, issue the gradient's matmul and leave it running into the next tile. The
-# forward does the same a tile apart: issue S_t and P_{t-1} V_{t-1}, wait for S_t only, and compute tile
-# t's softmax while the tensor cores multiply tile t-1's P by V. Used on Hopper for 16-bit inputs of head
-# dim 64 or 128 when called eagerly (GLUON_PASSES says which pass where: each where it measured faster);
-# torch.compile traces the Triton kernels above.
+# forward does the same a tile apart (issue S_t and P_{t-1} V_{t-1}, wait for S_t only, compute tile t's
+# softmax while the tensor cores multiply tile t-1's P by V) and is also warp-specialized, as
+# FlashAttention-3's is: a producer partition only issues TMA copies, two consumer warpgroups only compute,
+# each at its own pace, and they meet only at the rings' mbarriers. Used on Hopper for 16-bit inputs of
+# head dim 64 or 128 when called eagerly (GLUON_PASSES says which pass where: each where it measured
+# faster); torch.compile traces the Triton kernels above.
 
 
 @gluon.jit
-def _online_softmax(s, m_i, offs_m, offs_n, Nk, qk_scale, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
-    # _fwd_inner's softmax step on one score tile: P (fp32, not yet normalized) and the new running row max
+def _online_softmax(s, m_i, offs_m, offs_n, Nk, qk_scale, causal, MASKED: gl.constexpr):
+    # _fwd_inner's softmax step on one score tile: P (fp32, not yet normalized) and the new running row max.
+    # `causal` is a value, not a constexpr: a warp-specialized partition gets its arguments as values (triton 3.6).
     if MASKED:
-        keep = offs_n[None, :] < Nk
-        if CAUSAL:
-            keep = keep & (offs_m[:, None] >= offs_n[None, :])
+        keep = (offs_n[None, :] < Nk) & ((offs_m[:, None] >= offs_n[None, :]) | (causal == 0))
         s = gl.where(keep, s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         p = gl.exp2(s - m_new[:, None])
@@ -330,22 +332,108 @@ def _online_softmax(s, m_i, offs_m, offs_n, Nk, qk_scale, CAUSAL: gl.constexpr, 
 
 
 @gluon.jit
-def _issue_tile(desc, smem, ready, t, n_tiles, b, h, BLOCK_N: gl.constexpr):
-    # the copy engine loads key (or value) tile t, if there is one, into ring stage t % 2; ready[stage] flips when done
-    stage = t % 2
-    mbarrier.expect(ready.index(stage), desc.block_type.nbytes, pred=t < n_tiles)
-    tma.async_copy_global_to_shared(desc, [b, h, t * BLOCK_N, 0], ready.index(stage), smem.index(stage),
-                                    pred=t < n_tiles)
+def _fwd_producer(q_desc, k_desc, v_desc, smem, bars, b, h, off_m, n_tiles):
+    # The producer partition: the consumers' two Q tiles, then key tile t's K and V into ring stage t % STAGES as
+    # soon as both consumers have released the tile that was there (the empty barriers count two arrivals)
+    q_smem, k_smem, v_smem = smem
+    q_ready, k_ready, v_ready, k_empty, v_empty = bars
+    STAGES: gl.constexpr = k_smem.type.shape[0]  # (constexprs read off the buffers' shapes)
+    BLOCK_N: gl.constexpr = k_smem.type.shape[3]
+    ROWS: gl.constexpr = q_smem.type.shape[3]
+    for c in gl.static_range(2):
+        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, off_m + c * ROWS, 0], q_ready.index(c), q_smem.index(c))
+    for t in range(n_tiles):
+        stage = t % STAGES
+        phase = (t // STAGES) & 1
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)  # a fresh barrier counts as released: the first pass waits not
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, h, t * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, h, t * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _fwd_consumer(o_desc, smem, bars, L, bh, b, h, off_m, n_tiles, full, Nq, Nk, qk_scale, causal, c):
+    # A consumer partition (one warpgroup): rows off_m + c*ROWS .. +ROWS of the query tile against every key tile.
+    # Per tile t: issue S_t and P_{t-1} V_{t-1}, wait for S_t only, release K_t, compute tile t's softmax while
+    # P_{t-1} V_{t-1} runs, wait for it, release V_{t-1}, rescale O.
+    q_smem, k_smem, v_smem = smem
+    q_ready, k_ready, v_ready, k_empty, v_empty = bars
+    dtype: gl.constexpr = q_smem.dtype
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[3]
+    ROWS: gl.constexpr = q_smem.type.shape[3]
+    D: gl.constexpr = q_smem.type.shape[4]
+    # register layouts: S is a [ROWS, BLOCK_N] wgmma accumulator, O [ROWS, D]; P feeds P V from registers
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_m = off_m + c * ROWS + gl.arange(0, ROWS, layout=row_layout)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    q_t = q_smem.index(c).reshape([ROWS, D])
+
+    # tile 0 alone (every row sees key 0): its scores and softmax start the running max m_i and sum l_i
+    mbarrier.wait(q_ready.index(c), 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q_t, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False)
+    mbarrier.arrive(k_empty.index(0), count=1)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
+    if full > 0:
+        p, m_i = _online_softmax(s, m_i, offs_m, cols, Nk, qk_scale, causal, False)
+    else:
+        p, m_i = _online_softmax(s, m_i, offs_m, cols, Nk, qk_scale, causal, True)
+    l_i = gl.sum(p, 1)
+    p = gl.convert_layout(p.to(dtype), p_layout)  # carried into the next tile as P V's 16-bit A operand
+    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+
+    for t in range(1, n_tiles):
+        ks = t % STAGES
+        vs = (t - 1) % STAGES
+        mbarrier.wait(k_ready.index(ks), (t // STAGES) & 1)
+        s = warpgroup_mma(q_t, k_smem.index(ks).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        mbarrier.wait(v_ready.index(vs), ((t - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(vs).reshape([BLOCK_N, D]), acc, is_async=True)  # P_{t-1} V_{t-1}
+        s = warpgroup_mma_wait(1, deps=(s, ))  # S_t done; P_{t-1} V_{t-1} still running, under this softmax
+        mbarrier.arrive(k_empty.index(ks), count=1)
+        if t >= full:
+            p_t, m_new = _online_softmax(s, m_i, offs_m, t * BLOCK_N + cols, Nk, qk_scale, causal, True)
+        else:
+            p_t, m_new = _online_softmax(s, m_i, offs_m, t * BLOCK_N + cols, Nk, qk_scale, causal, False)
+        alpha = gl.exp2(m_i - m_new)  # rescales what was summed under the old max
+        l_i = l_i * alpha + gl.sum(p_t, 1)
+        m_i = m_new
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(vs), count=1)
+        acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
+        p = gl.convert_layout(p_t.to(dtype), p_layout)
+
+    last = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(last).reshape([BLOCK_N, D]), acc)
+    q_t.store((acc / gl.convert_layout(l_i, o_row_layout)[:, None]).to(dtype))  # O out through this Q's buffer
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, off_m + c * ROWS, 0], q_smem.index(c))  # past Nq: clipped
+    gl.store(L + bh * Nq + offs_m, (m_i + gl.log2(l_i)) * LN2_K, mask=offs_m < Nq)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, L, H, Nq, Nk, qk_scale, CAUSAL: gl.constexpr,
-                      D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    # _attn_fwd_kernel's work for one query tile of BLOCK_M = 64 rows (one warpgroup). K and V have rings of
-    # their own (2 stages each): tile t's K is free once S_t is done, its V only once P_t V_t is.
-    gl.static_assert(BLOCK_M == 16 * gl.num_warps(), "each warp owns 16 query rows")
+                      D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      CONSUMER_REGS: gl.constexpr):
+    # _attn_fwd_kernel's work for one query tile of BLOCK_M rows, warp-specialized: a producer partition (the
+    # default one, 4 warps) only issues TMA copies; two consumer warpgroups of BLOCK_M/2 rows each only compute.
+    # No warp waits for another except through the ring's mbarriers, so while one consumer is in its softmax
+    # the other's matmuls can have the tensor cores.
+    ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = q_desc.dtype
-    qk_scale = qk_scale.to(gl.float32)
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
@@ -354,28 +442,6 @@ def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, L, H, Nq, Nk, qk_scale, CA
     else:
         start_m = gl.program_id(0)
     off_m = start_m * BLOCK_M
-
-    # register layouts: S is a [BLOCK_M, BLOCK_N] wgmma accumulator, O [BLOCK_M, D]; P feeds P V from registers
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                       instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_N, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-    fence_async_shared()
-
     # key tiles 0 .. n_tiles-1; those from `full` on are masked (the diagonal, or a ragged last tile)
     if CAUSAL:
         n_tiles = gl.cdiv(gl.minimum(off_m + BLOCK_M, Nk), BLOCK_N)
@@ -383,68 +449,34 @@ def _fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, L, H, Nq, Nk, qk_scale, CA
     else:
         n_tiles = gl.cdiv(Nk, BLOCK_N)
         full = Nk // BLOCK_N
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, off_m, 0], q_bar, q_smem)
+
+    # shared memory: each consumer's Q tile (O leaves through it), rings of K and V tiles; ready barriers flip
+    # when a copy lands, empty ones when both consumers are done with a stage
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        _issue_tile(k_desc, k_smem, k_ready, i, n_tiles, b, h, BLOCK_N)
-        _issue_tile(v_desc, v_smem, v_ready, i, n_tiles, b, h, BLOCK_N)
+        mbarrier.init(q_ready.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival from each consumer
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()  # the barriers' initialization, visible to the copy engine
 
-    q_t = q_smem.reshape([BLOCK_M, D])
-    offs_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-
-    # tile 0 alone (every row sees key 0): its scores and softmax start the running max m_i and sum l_i
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q_t, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-    if full > 0:
-        p, m_i = _online_softmax(s, m_i, offs_m, cols, Nk, qk_scale, CAUSAL, False)
-    else:
-        p, m_i = _online_softmax(s, m_i, offs_m, cols, Nk, qk_scale, CAUSAL, True)
-    l_i = gl.sum(p, 1)
-    p = gl.convert_layout(p.to(dtype), p_layout)  # carried into the next iteration as P V's 16-bit A operand
-    gl.thread_barrier()  # every warp is past S_0: K's stage 0 takes tile 2
-    _issue_tile(k_desc, k_smem, k_ready, 2, n_tiles, b, h, BLOCK_N)
-    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-
-    for t in range(1, n_tiles):
-        ks = t % 2
-        vs = (t - 1) % 2
-        mbarrier.wait(k_ready.index(ks), (t // 2) & 1)
-        s = warpgroup_mma(q_t, k_smem.index(ks).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
-        mbarrier.wait(v_ready.index(vs), ((t - 1) // 2) & 1)
-        acc = warpgroup_mma(p, v_smem.index(vs).reshape([BLOCK_N, D]), acc, is_async=True)  # P_{t-1} V_{t-1}
-        s = warpgroup_mma_wait(1, deps=(s, ))  # S_t done; P_{t-1} V_{t-1} still running, under this softmax
-        gl.thread_barrier()  # every warp is past S_t: K's stage takes tile t+2
-        _issue_tile(k_desc, k_smem, k_ready, t + 2, n_tiles, b, h, BLOCK_N)
-        if t >= full:
-            p_t, m_new = _online_softmax(s, m_i, offs_m, t * BLOCK_N + cols, Nk, qk_scale, CAUSAL, True)
-        else:
-            p_t, m_new = _online_softmax(s, m_i, offs_m, t * BLOCK_N + cols, Nk, qk_scale, CAUSAL, False)
-        alpha = gl.exp2(m_i - m_new)  # rescales what was summed under the old max
-        l_i = l_i * alpha + gl.sum(p_t, 1)
-        m_i = m_new
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        acc = acc * gl.convert_layout(alpha, o_row_layout)[:, None]
-        gl.thread_barrier()  # every warp is past P_{t-1} V_{t-1}: V's stage takes tile t+1
-        _issue_tile(v_desc, v_smem, v_ready, t + 1, n_tiles, b, h, BLOCK_N)
-        p = gl.convert_layout(p_t.to(dtype), p_layout)
-
-    last = (n_tiles - 1) % 2
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // 2) & 1)
-    acc = warpgroup_mma(p, v_smem.index(last).reshape([BLOCK_N, D]), acc)
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(2):
-        mbarrier.invalidate(k_ready.index(i))
-        mbarrier.invalidate(v_ready.index(i))
-    q_t.store((acc / gl.convert_layout(l_i, o_row_layout)[:, None]).to(dtype))  # O out through Q's buffer
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, off_m, 0], q_smem)  # rows past Nq clipped by the copy engine
-    gl.store(L + bh * Nq + offs_m, (m_i + gl.log2(l_i)) * LN2_K, mask=offs_m < Nq)
-    tma.store_wait(pendings=0)
+    smem = (q_smem, k_smem, v_smem)
+    bars = (q_ready, k_ready, v_ready, k_empty, v_empty)
+    qk_scale = qk_scale.to(gl.float32)
+    gl.warp_specialize([
+        (_fwd_producer, (q_desc, k_desc, v_desc, smem, bars, b, h, off_m, n_tiles)),
+        (_fwd_consumer, (o_desc, smem, bars, L, bh, b, h, off_m, n_tiles, full, Nq, Nk, qk_scale, CAUSAL, 0)),
+        (_fwd_consumer, (o_desc, smem, bars, L, bh, b, h, off_m, n_tiles, full, Nq, Nk, qk_scale, CAUSAL, 1)),
+    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])  # each consumer's warps, and its registers a thread
 
 
 @gluon.jit
@@ -719,13 +751,17 @@ KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_dkdv_kernel, "dq": _attn_dq_ke
 # where Triton's dK/dV kernel keeps the job. At GPT-2's 1,024 tokens the passes take 0.92x and 0.84x the GPU
 # time, but launching a Gluon kernel (its descriptors built, its arguments specialized: no kept launcher) costs the
 # host more than that: called, forward+backward took 0.424 ms against 0.360 (H100). Short sequences keep Triton's.
-# The forward alone against Triton's (H100, 3 interleaved repeats): 0.94x at S16384 D128 and 0.85x at B4 S4096
-# D128 with 64 keys a tile (128 keys: 1.01-1.06x; two warpgroups of 64 rows a program: 0.95-1.04x); at S16384
-# D64 at best 0.986x (0.964-1.017; 128 keys a tile), and forward+backward 1.006x with it in another run, so D64
-# keeps Triton's forward; at GPT-2's shape 1.6x (the same launch cost).
-GLUON_PASSES = {64: ("dq",), 128: ("fwd", "dq", "dkdv")}
-GLUON_TILES = {64: {"dq": (64, 64, 4, 2)},  # (BLOCK_M, BLOCK_N, num_warps, num_stages); the forward's rings: 2 stages
-               128: {"fwd": (64, 64, 4, 2), "dq": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2)}}
+# The forward, warp-specialized (128 query rows, 128 keys a tile), against Triton's (H100, 3 interleaved repeats,
+# ratios of medians): 0.94x at S16384 D64, 0.83x at S16384 D128, 0.78x at B4 S4096 D128, where cuDNN's forward
+# takes 1.02x, 1.04x and 0.98x its time. Without the producer (one warpgroup of 64 rows a program, the tensor
+# cores' overlap alone) it was 0.99x, 0.94x and 0.85x; two warpgroups kept in step by thread barriers, 0.95-1.18x.
+# At GPT-2's shape 1.6x (the same launch cost).
+GLUON_PASSES = {64: ("fwd", "dq"), 128: ("fwd", "dq", "dkdv")}
+GLUON_TILES = {64: {"fwd": (128, 128, 4, 2), "dq": (64, 64, 4, 2)},  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+               128: {"fwd": (128, 128, 4, 2), "dq": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2)}}
+# The forward's partitions share the SM's 64K registers: 12 warps launched at 168 a thread, then the producer's
+# warps give theirs up (setmaxnreg) to the consumers' 232
+FWD_REGS = (168, 232)
 GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 SM90 = {}  # device -> is it a Hopper GPU (compute capability 9.0)
 
@@ -843,10 +879,11 @@ def _forward(q4, k4, v4, causal, scale, precision):
     o = torch.empty(B, Nq, H, D, device=q4.device, dtype=q4.dtype).transpose(1, 2)
     lse = torch.empty(B, H, Nq, device=q4.device, dtype=torch.float32)
     if "fwd" in _gluon_passes(q4, Nq, q4, k4, v4):  # (o is aligned: a fresh tensor)
-        bm, bn, warps, _ = GLUON_TILES[D]["fwd"]
+        bm, bn, warps, stages = GLUON_TILES[D]["fwd"]
         _fwd_gluon_kernel[((Nq + bm - 1) // bm, B * H)](
-            _descriptor(q4, bm), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(o, bm), lse, H, Nq, k4.shape[2],
-            scale * LOG2E, CAUSAL=causal, D=D, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+            _descriptor(q4, bm // 2), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(o, bm // 2), lse, H, Nq,
+            k4.shape[2], scale * LOG2E, CAUSAL=causal, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
+            CONSUMER_REGS=FWD_REGS[1], num_warps=warps, maxnreg=FWD_REGS[0])
         return o, lse
     _launch("fwd", Nq, B * H, (q4, k4, v4, o, lse),
             (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o.stride()[:3], H, Nq, k4.shape[2], scale * LOG2E),
