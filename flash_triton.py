@@ -726,7 +726,9 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Del
     tma.store_wait(pendings=0)
 
 # takeaway: where the compiler serializes the matmuls, writing out each one's issue and wait lets the exponentials and
-# dS run under them: the same math, faster where the registers allow it.
+# dS run under them: the same math, faster where the registers allow it. Warps that only load and warps that only
+# compute, meeting at mbarriers, took the forward to cuDNN's speed; the same split slowed the backward's passes, which
+# keep one warpgroup a program.
 
 # --- 3. tile configurations, launchers and the autograd.Function
 
