@@ -346,7 +346,7 @@ def _fwd_producer(q_desc, k_desc, v_desc, smem, bars, b, h, off_m, n_tiles):
     for t in range(n_tiles):
         stage = t % STAGES
         phase = (t // STAGES) & 1
-        mbarrier.wait(k_empty.index(stage), phase ^ 1)  # a fresh barrier counts as released: the first pass waits not
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)  # fresh barriers count as released: no wait on the first pass
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, h, t * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
