@@ -610,7 +610,7 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Del
                        CAUSAL: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr):
     # _attn_dkdv_kernel's work for one key tile of BLOCK_N = 64 keys (one warpgroup), query slices of BLOCK_M
-    # streaming through a ring; P^T and dS^T feed their matmuls from shared memory (fewer live registers).
+    # streaming through a ring; P^T and dS^T feed dV's and dK's matmuls from registers, as P does in the forward.
     gl.static_assert(BLOCK_N == 16 * gl.num_warps(), "each warp owns 16 key rows")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -627,18 +627,16 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Del
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                         instr_shape=[16, D, 16])
+    pds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)  # P^T, dS^T
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # along the query slice
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # along the key tile
     vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])  # L, Delta: one register each
 
-    # shared memory: K and V once; a ring of Q and dO slices; P^T and dS^T on their way into the matmuls
+    # shared memory: K and V once; a ring of Q and dO slices
     k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, D], do_desc.layout)
-    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pds_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], pds_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -686,7 +684,7 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Del
         do_t = do_smem.index(stage).reshape([BLOCK_M, D])
         sT = warpgroup_mma(k_t, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
         dpT = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        # in flight, oldest first: dV_{j-1}, dK_{j-1}, S^T, dP^T. Leave dP^T; p_smem and ds_smem are free again.
+        # in flight, oldest first: dV_{j-1}, dK_{j-1}, S^T, dP^T. Leave dP^T; slice j-1's Q and dO are read.
         sT, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv))
         nj = j + NUM_STAGES - 1  # slice j-1's stage is free: load slice j+NUM_STAGES-1 into it
         ns = nj % NUM_STAGES
@@ -702,14 +700,11 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Del
             if start_m < start_n + BLOCK_N:  # the diagonal slice(s): only queries at or after their key
                 offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
                 pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-        p_smem.store(pT.to(dtype))
-        fence_async_shared()
-        dv = warpgroup_mma(p_smem, do_t, dv, is_async=True)
+        dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), pds_layout), do_t, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))  # dP^T done; dV still running
         dsT = pT * (dpT - gl.convert_layout(delta_v, col_layout)[None, :])
-        ds_smem.store(dsT.to(dtype))
-        fence_async_shared()
-        dk = warpgroup_mma(ds_smem, q_t, dk, is_async=True)  # left running into the next slice's S^T and dP^T
+        # dK's matmul is left running into the next slice's S^T and dP^T
+        dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), pds_layout), q_t, dk, is_async=True)
 
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     mbarrier.invalidate(kv_bar)
@@ -728,7 +723,8 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Del
 # takeaway: where the compiler serializes the matmuls, writing out each one's issue and wait lets the exponentials and
 # dS run under them: the same math, faster where the registers allow it. Warps that only load and warps that only
 # compute, meeting at mbarriers, took the forward to cuDNN's speed; the same split slowed the backward's passes, which
-# keep one warpgroup a program.
+# keep one warpgroup a program. A 64-row matmul reading both operands from shared memory asks it for about as many
+# bytes a cycle as it serves: an operand already in registers (P, dS) feeds the tensor cores from there.
 
 # --- 3. tile configurations, launchers and the autograd.Function
 
@@ -749,17 +745,20 @@ INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 1
 KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_dkdv_kernel, "dq": _attn_dq_kernel}
 # The passes that run as Gluon kernels (section 2b) past SHORT_SEQ tokens, per head dim, each where it measured
 # faster than its Triton kernel (the pass alone, do_bench, 5 repeats, H200): dQ 0.94x at S16384 D64,
-# 0.85x at B4 S4096 D128, 0.93x at S16384 D128; dK/dV 0.91x and 0.95x at those two, but 1.03-1.07x at S16384 D64,
-# where Triton's dK/dV kernel keeps the job. At GPT-2's 1,024 tokens the passes take 0.92x and 0.84x the GPU
-# time, but launching a Gluon kernel (its descriptors built, its arguments specialized: no kept launcher) costs the
-# host more than that: called, forward+backward took 0.424 ms against 0.360 (H100). Short sequences keep Triton's.
+# 0.85x at B4 S4096 D128, 0.93x at S16384 D128; dK/dV 0.91x and 0.95x at those two. At S16384 D64 dK/dV lost
+# (1.03-1.07x) while P^T and dS^T went through shared memory; from registers it takes 0.90x Triton's time there,
+# and 0.94x its own earlier time at D128 (H100, 3 interleaved repeats). At GPT-2's 1,024 tokens the passes take
+# 0.92x and 0.84x the GPU time, but launching a Gluon kernel (its descriptors built, its arguments specialized: no
+# kept launcher) costs the host more than that: called, forward+backward took 0.424 ms against 0.360 (H100).
+# Short sequences keep Triton's.
 # The forward, warp-specialized (128 query rows, 128 keys a tile), against Triton's (H100, 3 interleaved repeats,
 # ratios of medians): 0.94x at S16384 D64, 0.83x at S16384 D128, 0.78x at B4 S4096 D128, where cuDNN's forward
 # takes 1.02x, 1.04x and 0.98x its time. Without the producer (one warpgroup of 64 rows a program, the tensor
 # cores' overlap alone) it was 0.99x, 0.94x and 0.85x; two warpgroups kept in step by thread barriers, 0.95-1.18x.
 # At GPT-2's shape 1.6x (the same launch cost).
-GLUON_PASSES = {64: ("fwd", "dq"), 128: ("fwd", "dq", "dkdv")}
-GLUON_TILES = {64: {"fwd": (128, 128, 4, 2), "dq": (64, 64, 4, 2)},  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+GLUON_PASSES = {64: ("fwd", "dq", "dkdv"), 128: ("fwd", "dq", "dkdv")}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of each Gluon pass, per head dim
+GLUON_TILES = {64: {"fwd": (128, 128, 4, 2), "dq": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2)},
                128: {"fwd": (128, 128, 4, 2), "dq": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2)}}
 # The forward's partitions share the SM's 64K registers: 12 warps launched at 168 a thread, then the producer's
 # warps give theirs up (setmaxnreg) to the consumers' 232
