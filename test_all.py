@@ -1928,6 +1928,8 @@ def test_flash_gluon_passes_match_the_triton_kernels():
     hopper = ft.GLUON and torch.cuda.get_device_capability() == (9, 0)  # else: no Gluon pass anywhere
     cases = [((2, 4, 1024, 64), (2, 4, 1024, 64), True, ()),  # up to SHORT_SEQ tokens: Triton's kernels
              ((1, 2, 2100, 64), (1, 2, 2100, 64), True, ("fwd", "dq", "dkdv")),
+             ((2, 3, 1517, 64), (2, 3, 1781, 64), False, ("fwd", "dq", "dkdv")),  # a ragged last key tile
+             ((1, 2, 2048, 64), (1, 2, 100, 64), False, ("fwd", "dq", "dkdv")),  # fewer keys than a dQ key tile
              ((2, 3, 1517, 128), (2, 3, 1781, 128), False, ("fwd", "dq", "dkdv")),
              ((1, 2, 1500, 128), (1, 2, 1500, 128), True, ("fwd", "dq", "dkdv"))]
     for dtype in (torch.bfloat16, torch.float16):
