@@ -1921,47 +1921,74 @@ def test_flash_kept_launchers_same_answer_new_alignment_new_kernel():
 def test_flash_gluon_passes_match_the_triton_kernels():
     """On a Hopper GPU with triton 3.6 the Gluon passes run where GLUON_PASSES says, and their outputs and gradients
     are the Triton kernels' to within 16-bit rounding: causal and not, ragged, Nq != Nk, D64 and D128, both 16-bit
-    dtypes, the model's head-transposed layout; bitwise the same when run twice (no atomics)."""
+    dtypes, the model's head-transposed layout. At D64 the backward runs in one pass (its dQ tiles added in any
+    order) unless torch.use_deterministic_algorithms is on; then the two Gluon passes, bitwise the same run twice."""
     import flash_triton as ft
     import triton
     assert ft.GLUON == triton.__version__.startswith("3.6."), (ft.GLUON, triton.__version__)
     hopper = ft.GLUON and torch.cuda.get_device_capability() == (9, 0)  # else: no Gluon pass anywhere
+    all64 = ("fwd", "dq", "dkdv", "bwd")
     cases = [((2, 4, 1024, 64), (2, 4, 1024, 64), True, ()),  # up to SHORT_SEQ tokens: Triton's kernels
-             ((1, 2, 2100, 64), (1, 2, 2100, 64), True, ("fwd", "dq", "dkdv")),
-             ((2, 3, 1517, 64), (2, 3, 1781, 64), False, ("fwd", "dq", "dkdv")),  # a ragged last key tile
-             ((1, 2, 2048, 64), (1, 2, 100, 64), False, ("fwd", "dq", "dkdv")),  # fewer keys than a dQ key tile
+             ((1, 2, 2100, 64), (1, 2, 2100, 64), True, all64),
+             ((2, 3, 1517, 64), (2, 3, 1781, 64), False, all64),  # a ragged last key tile
+             ((1, 2, 2048, 64), (1, 2, 100, 64), False, all64),  # fewer keys than a dQ key tile
              ((2, 3, 1517, 128), (2, 3, 1781, 128), False, ("fwd", "dq", "dkdv")),
              ((1, 2, 1500, 128), (1, 2, 1500, 128), True, ("fwd", "dq", "dkdv"))]
-    for dtype in (torch.bfloat16, torch.float16):
-        for shape_q, shape_k, causal, passes in cases:
-            gen = torch.Generator(device="cuda").manual_seed(5)
-            q, k, v, do = (torch.randn(s, generator=gen, device="cuda").to(dtype)
-                           for s in (shape_q, shape_k, shape_k, shape_q))
-            assert ft._gluon_passes(q, shape_q[2], q, k, v, do) == (passes if hopper else ())
-            results = {}  # gluon -> (O, dQ, dK, dV)
-            for gluon in (True, False):
-                ft.GLUON = gluon and hopper
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                o = ft.flash_attention(*leaves, causal)
-                results[gluon] = (o.detach(), *torch.autograd.grad(o, leaves, do))
-                if gluon:
+
+    class Launches:  # counts the launches of a kernel, which it still runs
+        def __init__(self, kernel):
+            self.kernel, self.count = kernel, 0
+
+        def __getitem__(self, grid):
+            self.count += 1
+            return self.kernel[grid]
+    one_pass = Launches(ft._bwd_gluon_kernel)
+    ft._bwd_gluon_kernel = one_pass
+    try:
+        for dtype in (torch.bfloat16, torch.float16):
+            for shape_q, shape_k, causal, passes in cases:
+                gen = torch.Generator(device="cuda").manual_seed(5)
+                q, k, v, do = (torch.randn(s, generator=gen, device="cuda").to(dtype)
+                               for s in (shape_q, shape_k, shape_k, shape_q))
+                assert ft._gluon_passes(q, shape_q[2], q, k, v, do) == (passes if hopper else ())
+
+                def run():
+                    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                     o = ft.flash_attention(*leaves, causal)
-                    again = (o.detach(), *torch.autograd.grad(o, leaves, do))
-                    assert all(torch.equal(a, b) for a, b in zip(results[gluon], again)), "not deterministic"
-            ft.GLUON = hopper
-            errs = [rel_err(a.float(), b.float()) for a, b in zip(results[True], results[False])]
-            assert max(errs) < 1e-2, (dtype, shape_q, causal, errs)
+                    return (o.detach(), *torch.autograd.grad(o, leaves, do))
+                results = {}  # path -> (O, dQ, dK, dV)
+                for path in ("gluon", "deterministic", "triton"):
+                    ft.GLUON = hopper and path != "triton"
+                    torch.use_deterministic_algorithms(path == "deterministic", warn_only=True)
+                    launches = one_pass.count
+                    try:
+                        results[path] = run()
+                        if path == "deterministic":
+                            again = run()
+                            assert all(torch.equal(a, b) for a, b in zip(results[path], again)), "not deterministic"
+                    finally:
+                        torch.use_deterministic_algorithms(False)
+                    expected = int(path == "gluon" and "bwd" in passes and hopper)
+                    assert one_pass.count - launches == expected, (path, shape_q, one_pass.count - launches)
+                ft.GLUON = hopper
+                for path in ("gluon", "deterministic"):
+                    errs = [rel_err(a.float(), b.float()) for a, b in zip(results[path], results["triton"])]
+                    assert max(errs) < 1e-2, (path, dtype, shape_q, causal, errs)
+    finally:
+        ft._bwd_gluon_kernel = one_pass.kernel
+        ft.GLUON = hopper
     # the model's layout: q, k, v read from one (B, S, 3C) projection, their gradients written into one
-    qkv = torch.randn(2, 1100, 3 * 4 * 128, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(2, 1100, 4 * 128, device="cuda", dtype=torch.bfloat16)
-    results = {}  # gluon -> (y, the projection's gradient)
-    for gluon in (True, False):
-        ft.GLUON = gluon and hopper
-        leaf = qkv.clone().requires_grad_()
-        y = ft.flash_attention_qkv(leaf, 4)
-        results[gluon] = (y.detach(), *torch.autograd.grad(y, leaf, dy))
-    ft.GLUON = hopper
-    assert all(rel_err(a.float(), b.float()) < 1e-2 for a, b in zip(results[True], results[False]))
+    for D in (128, 64):  # (D64: the one-pass backward)
+        qkv = torch.randn(2, 1100, 3 * 4 * D, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(2, 1100, 4 * D, device="cuda", dtype=torch.bfloat16)
+        results = {}  # gluon -> (y, the projection's gradient)
+        for gluon in (True, False):
+            ft.GLUON = gluon and hopper
+            leaf = qkv.clone().requires_grad_()
+            y = ft.flash_attention_qkv(leaf, 4)
+            results[gluon] = (y.detach(), *torch.autograd.grad(y, leaf, dy))
+        ft.GLUON = hopper
+        assert all(rel_err(a.float(), b.float()) < 1e-2 for a, b in zip(results[True], results[False])), D
 
 @gpu
 def test_flash_tile_search_times_candidates_today_first():
