@@ -614,124 +614,9 @@ def _dq_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, L, Delta, sob,
     tma.store_wait(pendings=0)
 
 
-@gluon.jit
-def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, L, Delta, H, Nq, qk_scale, scale,
-                       CAUSAL: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_STAGES: gl.constexpr):
-    # _attn_dkdv_kernel's work for one key tile of BLOCK_N = 64 keys (one warpgroup), query slices of BLOCK_M
-    # streaming through a ring; P^T and dS^T feed dV's and dK's matmuls from registers, as P does in the forward.
-    gl.static_assert(BLOCK_N == 16 * gl.num_warps(), "each warp owns 16 key rows")
-    dtype: gl.constexpr = q_desc.dtype
-    qk_scale = qk_scale.to(gl.float32)
-    scale = scale.to(gl.float32)
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    start_n = gl.program_id(0) * BLOCK_N
-    L += bh * Nq
-    Delta += bh * Nq
-
-    # register layouts: S^T and dP^T are [BLOCK_N, BLOCK_M] wgmma accumulators, dK and dV [BLOCK_N, D]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                        instr_shape=[16, D, 16])
-    pds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)  # P^T, dS^T
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # along the query slice
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # along the key tile
-    vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])  # L, Delta: one register each
-
-    # shared memory: K and V once; a ring of Q and dO slices
-    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, D], do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    fence_async_shared()
-
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, h, start_n, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [b, h, start_n, 0], kv_bar, v_smem)
-    if CAUSAL:  # query slices before the key tile see none of it
-        lo = start_n
-    else:
-        lo = 0
-    n_iter = (Nq - lo + BLOCK_M - 1) // BLOCK_M  # <= 0 when lo >= Nq: dK = dV = 0
-    slice_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-    for i in gl.static_range(NUM_STAGES - 1):  # the first query slices in flight
-        mbarrier.expect(ready.index(i), slice_bytes, pred=i < n_iter)
-        tma.async_copy_global_to_shared(q_desc, [b, h, lo + i * BLOCK_M, 0], ready.index(i), q_smem.index(i),
-                                        pred=i < n_iter)
-        tma.async_copy_global_to_shared(do_desc, [b, h, lo + i * BLOCK_M, 0], ready.index(i), do_smem.index(i),
-                                        pred=i < n_iter)
-
-    offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
-    zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    # The zero accumulators pass through a (no-op) wait, which defines their registers before the loop: a register
-    # of an in-flight wgmma defined otherwise on some path to its wait (here: the loop's zero-trip exit) makes
-    # ptxas serialize every wgmma of the kernel (its warning C7515).
-    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(gl.zeros([BLOCK_N, D], gl.float32, kv_layout),
-                                                         gl.zeros([BLOCK_N, D], gl.float32, kv_layout)))
-    dk = warpgroup_mma_init(dk)
-    dv = warpgroup_mma_init(dv)
-    k_t = k_smem.reshape([BLOCK_N, D])
-    v_t = v_smem.reshape([BLOCK_N, D])
-    mbarrier.wait(kv_bar, 0)
-
-    for j in range(n_iter):
-        start_m = lo + j * BLOCK_M
-        stage = j % NUM_STAGES
-        offs_v = start_m + gl.arange(0, BLOCK_M, layout=vec_layout)  # rows past Nq: L = +inf, so P^T = 0
-        lse2_v = gl.load(L + offs_v, mask=offs_v < Nq, other=float("inf"))
-        delta_v = gl.load(Delta + offs_v, mask=offs_v < Nq, other=0.0)
-        mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
-        q_t = q_smem.index(stage).reshape([BLOCK_M, D])
-        do_t = do_smem.index(stage).reshape([BLOCK_M, D])
-        sT = warpgroup_mma(k_t, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        # in flight, oldest first: dV_{j-1}, dK_{j-1}, S^T, dP^T. Leave dP^T; slice j-1's Q and dO are read.
-        sT, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv))
-        nj = j + NUM_STAGES - 1  # slice j-1's stage is free: load slice j+NUM_STAGES-1 into it
-        ns = nj % NUM_STAGES
-        mbarrier.expect(ready.index(ns), slice_bytes, pred=nj < n_iter)
-        tma.async_copy_global_to_shared(q_desc, [b, h, lo + nj * BLOCK_M, 0], ready.index(ns), q_smem.index(ns),
-                                        pred=nj < n_iter)
-        tma.async_copy_global_to_shared(do_desc, [b, h, lo + nj * BLOCK_M, 0], ready.index(ns), do_smem.index(ns),
-                                        pred=nj < n_iter)
-
-        lse2 = gl.convert_layout(lse2_v, col_layout) * LOG2E_K
-        pT = gl.exp2(sT * qk_scale - lse2[None, :])  # while dP^T runs
-        if CAUSAL:
-            if start_m < start_n + BLOCK_N:  # the diagonal slice(s): only queries at or after their key
-                offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-                pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-        dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), pds_layout), do_t, dv, is_async=True)
-        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))  # dP^T done; dV still running
-        dsT = pT * (dpT - gl.convert_layout(delta_v, col_layout)[None, :])
-        # dK's matmul is left running into the next slice's S^T and dP^T
-        dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), pds_layout), q_t, dk, is_async=True)
-
-    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-    mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(ready.index(i))
-    # out through shared memory and TMA stores (rows past Nk clipped by the copy engine)
-    dk_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], dk_desc.layout)
-    dv_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], dv_desc.layout)
-    dk_smem.reshape([BLOCK_N, D]).store((dk * scale).to(dtype))
-    dv_smem.reshape([BLOCK_N, D]).store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, h, start_n, 0], dk_smem)
-    tma.async_copy_shared_to_global(dv_desc, [b, h, start_n, 0], dv_smem)
-    tma.store_wait(pendings=0)
-
 @triton.jit
 def _delta_kernel(O, DO, Delta, sob, soh, son, sdb, sdh, sdn, H, Nq, D: tl.constexpr, BLOCK: tl.constexpr):
-    # Delta = rowsum(dO * O) of BLOCK rows: the one-pass kernel reads every query slice's before any dQ exists
+    # Delta = rowsum(dO * O) of BLOCK rows: the one-pass backward reads every query slice's before any dQ exists
     bh = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
@@ -751,14 +636,15 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L, Delta, H, Nq, qk_scale, scale,
-                      CAUSAL: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_STAGES: gl.constexpr):
-    # The whole backward in one pass, FlashAttention-3's way: _dkdv_gluon_kernel's loop over query slices, and in it
-    # each slice's share of dQ from this key tile, dQ^T_j = K^T dS^T_j, added into an fp32 dQ in global memory by the
-    # copy engine (TMA reduce-add). The dQ pass's own S, P and dP are never recomputed: five matmuls a tile, not
-    # seven. The adds from different key tiles land in whatever order they arrive: dQ is not bitwise reproducible,
-    # so _backward takes the two passes when torch.use_deterministic_algorithms is on.
+def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_desc, L, Delta, H, Nq, qk_scale, scale,
+                       CAUSAL: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, ONE_PASS: gl.constexpr):
+    # _attn_dkdv_kernel's work for one key tile of BLOCK_N = 64 keys (one warpgroup), query slices of BLOCK_M
+    # streaming through a ring; P^T and dS^T feed dV's and dK's matmuls from registers, as P does in the forward.
+    # ONE_PASS: the whole backward, FlashAttention-3's way. Each slice's share of dQ from this key tile,
+    # dQ^T_j = K^T dS^T_j, goes to the copy engine, which adds it into an fp32 dQ in global memory (TMA reduce-add,
+    # into dqa_desc): the dQ pass and its recomputed S, P and dP are gone, five matmuls a tile instead of seven.
+    # The adds from different key tiles land in whatever order they arrive: dQ is not bitwise reproducible.
     gl.static_assert(BLOCK_N == 16 * gl.num_warps(), "each warp owns 16 key rows")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -770,31 +656,32 @@ def _bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     L += bh * Nq
     Delta += bh * Nq
 
-    # register layouts: S^T, dP^T [BLOCK_N, BLOCK_M], dK, dV [BLOCK_N, D] and dQ^T [D, BLOCK_M] are wgmma
-    # accumulators. Every matmul's A operand comes from registers: K and V (loaded once) for S^T and dP^T, P^T and
-    # dS^T for dV and dK, K^T (loaded once) for dQ^T. Only dQ^T's B operand, dS^T, goes through shared memory.
+    # register layouts: S^T and dP^T are [BLOCK_N, BLOCK_M] wgmma accumulators, dK and dV [BLOCK_N, D], dQ^T
+    # [D, BLOCK_M]. ONE_PASS takes every A operand from registers: K and V (loaded once) for S^T and dP^T, K^T for
+    # dQ^T (dS^T, its B operand, goes through shared memory); the two passes keep K and V in shared memory.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                         instr_shape=[16, D, 16])
     dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BLOCK_M, 16])
+    pds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)  # P^T, dS^T
     kv_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)  # K, V
-    pds_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)  # P^T, dS^T
     kt_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dqt_layout, k_width=2)  # K^T
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # along the query slice
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # along the key tile
     vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])  # L, Delta: one register each
 
-    # shared memory: K and V once; a ring of Q and dO slices; dS^T; two fp32 dQ tiles, one filling while the
-    # copy engine reads the other
+    # shared memory: K and V once; a ring of Q and dO slices; ONE_PASS: dS^T and two fp32 dQ tiles, one filling
+    # while the copy engine reads the other
     k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, D], do_desc.layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, D], dqa_desc.layout)
+    if ONE_PASS:
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, D], dqa_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -809,7 +696,7 @@ def _bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
         lo = start_n
     else:
         lo = 0
-    n_iter = (Nq - lo + BLOCK_M - 1) // BLOCK_M  # <= 0 when lo >= Nq: dK = dV = 0, nothing added to dQ
+    n_iter = (Nq - lo + BLOCK_M - 1) // BLOCK_M  # <= 0 when lo >= Nq: dK = dV = 0 (and nothing added to dQ)
     slice_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
     for i in gl.static_range(NUM_STAGES - 1):  # the first query slices in flight
         mbarrier.expect(ready.index(i), slice_bytes, pred=i < n_iter)
@@ -821,7 +708,9 @@ def _bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
     zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     zeros_qt = gl.zeros([D, BLOCK_M], gl.float32, dqt_layout)
-    # (the zero accumulators pass through a no-op wait: see _dkdv_gluon_kernel)
+    # The zero accumulators pass through a (no-op) wait, which defines their registers before the loop: a register
+    # of an in-flight wgmma defined otherwise on some path to its wait (here: the loop's zero-trip exit) makes
+    # ptxas serialize every wgmma of the kernel (its warning C7515).
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(gl.zeros([BLOCK_N, D], gl.float32, kv_layout),
                                                          gl.zeros([BLOCK_N, D], gl.float32, kv_layout)))
     dk = warpgroup_mma_init(dk)
@@ -829,9 +718,13 @@ def _bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
     k_t = k_smem.reshape([BLOCK_N, D])
     v_t = v_smem.reshape([BLOCK_N, D])
     mbarrier.wait(kv_bar, 0)
-    k_reg = k_t.load(kv_a)
-    v_reg = v_t.load(kv_a)
-    kt_reg = k_t.permute((1, 0)).load(kt_a)
+    if ONE_PASS:
+        k_a = k_t.load(kv_a)
+        v_a = v_t.load(kv_a)
+        kt_a_reg = k_t.permute((1, 0)).load(kt_a)
+    else:
+        k_a = k_t
+        v_a = v_t
 
     for j in range(n_iter):
         start_m = lo + j * BLOCK_M
@@ -842,9 +735,9 @@ def _bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
         mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
         q_t = q_smem.index(stage).reshape([BLOCK_M, D])
         do_t = do_smem.index(stage).reshape([BLOCK_M, D])
-        sT = warpgroup_mma(k_reg, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v_reg, do_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        # in flight, oldest first: dK_{j-1}, S^T, dP^T. Leave dP^T; slice j-1's Q and dO are read.
+        sT = warpgroup_mma(k_a, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v_a, do_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        # in flight, oldest first: dV_{j-1}, dK_{j-1}, S^T, dP^T. Leave dP^T; slice j-1's Q and dO are read.
         sT, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv))
         nj = j + NUM_STAGES - 1  # slice j-1's stage is free: load slice j+NUM_STAGES-1 into it
         ns = nj % NUM_STAGES
@@ -860,34 +753,41 @@ def _bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_des
             if start_m < start_n + BLOCK_N:  # the diagonal slice(s): only queries at or after their key
                 offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
                 pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-        dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), pds_a), do_t, dv, is_async=True)
+        dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), pds_layout), do_t, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))  # dP^T done; dV still running
-        # dS^T with the softmax scale in it once: dK and dQ both carry it
-        dsT = (pT * (dpT - gl.convert_layout(delta_v, col_layout)[None, :]) * scale).to(dtype)
-        ds_smem.store(dsT)
-        fence_async_shared()
-        gl.thread_barrier()  # dQ^T's matmul reads every warp's rows of dS^T
-        dqt = warpgroup_mma(kt_reg, ds_smem, zeros_qt, use_acc=False, is_async=True)
-        dk = warpgroup_mma(gl.convert_layout(dsT, pds_a), q_t, dk, is_async=True)  # left running into slice j+1
-        dqt = warpgroup_mma_wait(num_outstanding=1, deps=(dqt, ))  # dV and dQ^T done
-        # dQ's tile out: into the buffer whose add (issued two slices ago) the copy engine has finished reading,
-        # stored transposed (the buffer is [BLOCK_M, D], as dQ is), then added into dQ by the copy engine
-        buf = j % 2
-        tma.store_wait(pendings=1)
-        gl.thread_barrier()
-        dq_smem.index(buf).reshape([BLOCK_M, D]).permute((1, 0)).store(dqt)
-        fence_async_shared()
-        gl.thread_barrier()
-        _tma_reduce_add(dqa_desc, [b, h, start_m, 0], dq_smem.index(buf))  # rows past Nq: clipped
+        dsT = pT * (dpT - gl.convert_layout(delta_v, col_layout)[None, :])
+        if ONE_PASS:
+            dsT = (dsT * scale).to(dtype)  # the softmax scale in dS^T once: dK and dQ both carry it
+            ds_smem.store(dsT)
+            fence_async_shared()
+            gl.thread_barrier()  # dQ^T's matmul reads every warp's rows of dS^T
+            dqt = warpgroup_mma(kt_a_reg, ds_smem, zeros_qt, use_acc=False, is_async=True)
+            dk = warpgroup_mma(gl.convert_layout(dsT, pds_layout), q_t, dk, is_async=True)  # runs into slice j+1
+            dqt = warpgroup_mma_wait(num_outstanding=1, deps=(dqt, ))  # dV and dQ^T done
+            # dQ's tile out: into the buffer whose add (issued two slices ago) the copy engine has finished
+            # reading, stored transposed (the buffer is [BLOCK_M, D], as dQ is), then added into dQ
+            buf = j % 2
+            tma.store_wait(pendings=1)
+            gl.thread_barrier()
+            dq_smem.index(buf).reshape([BLOCK_M, D]).permute((1, 0)).store(dqt)
+            fence_async_shared()
+            gl.thread_barrier()
+            _tma_reduce_add(dqa_desc, [b, h, start_m, 0], dq_smem.index(buf))  # rows past Nq: clipped
+        else:
+            # dK's matmul is left running into the next slice's S^T and dP^T
+            dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), pds_layout), q_t, dk, is_async=True)
 
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-    tma.store_wait(pendings=0)  # the last adds have read their buffers, which the epilogue's may reuse
+    tma.store_wait(pendings=0)  # (ONE_PASS) the last adds have read their buffers, which the epilogue's may reuse
     mbarrier.invalidate(kv_bar)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
+    if not ONE_PASS:  # (one pass: scaled already, through dS^T)
+        dk = dk * scale
+    # out through shared memory and TMA stores (rows past Nk clipped by the copy engine)
     dk_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], dk_desc.layout)
     dv_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, D], dv_desc.layout)
-    dk_smem.reshape([BLOCK_N, D]).store(dk.to(dtype))  # (scaled already, through dS^T)
+    dk_smem.reshape([BLOCK_N, D]).store(dk.to(dtype))
     dv_smem.reshape([BLOCK_N, D]).store(dv.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(dk_desc, [b, h, start_n, 0], dk_smem)
@@ -932,14 +832,15 @@ KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_dkdv_kernel, "dq": _attn_dq_ke
 # takes 1.02x, 1.04x and 0.98x its time. Without the producer (one warpgroup of 64 rows a program, the tensor
 # cores' overlap alone) it was 0.99x, 0.94x and 0.85x; two warpgroups kept in step by thread barriers, 0.95-1.18x.
 # At GPT-2's shape 1.6x (the same launch cost).
-# At D64 the backward runs in one pass ("bwd", _bwd_gluon_kernel) unless torch.use_deterministic_algorithms is on:
+# At D64 the backward runs in one pass ("bwd": _dkdv_gluon_kernel's ONE_PASS) unless torch.use_deterministic_algorithms
+# is on:
 # 0.93-0.94x the two passes' time at S16384 (H100, 3 interleaved repeats); at D128 it took 1.21-1.33x.
 GLUON_PASSES = {64: ("fwd", "dq", "dkdv", "bwd"), 128: ("fwd", "dq", "dkdv")}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of each Gluon pass, per head dim. dQ at D64 takes 128 keys a tile:
 # half the loop trips (waits, barriers, copies issued) for the same work, 0.93-0.95x the time of 64-key tiles at
 # S16384 (219 registers, two programs an SM; at D128 they take 251 and fit one: 1.14-1.18x). dK/dV with 128 keys
 # (two warpgroups, 8 warps, one Q/dO ring) took 1.05-1.19x at D64 (H100, 3 interleaved repeats).
-GLUON_TILES = {64: {"fwd": (128, 128, 4, 2), "dq": (64, 128, 4, 2), "dkdv": (64, 64, 4, 2), "bwd": (64, 64, 4, 2)},
+GLUON_TILES = {64: {"fwd": (128, 128, 4, 2), "dq": (64, 128, 4, 2), "dkdv": (64, 64, 4, 2)},  # (one pass: dkdv's)
                128: {"fwd": (128, 128, 4, 2), "dq": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2)}}
 # The forward's partitions share the SM's 64K registers: 12 warps launched at 168 a thread, then the producer's
 # warps give theirs up (setmaxnreg) to the consumers' 232
@@ -1090,19 +991,16 @@ def _backward(q4, k4, v4, o4, do4, lse, dq, dkv, causal, scale, precision):
         dq4 = dq[0].as_strided(q4.shape, (*dq[1], 1))
         dk4 = dkv[0].as_strided(k4.shape, (*dkv[1], 1), dkv[0].storage_offset() + dkv[2])
         dv4 = dkv[0].as_strided(k4.shape, (*dkv[1], 1), dkv[0].storage_offset() + dkv[3])
-    if "bwd" in gluon_passes and not torch.are_deterministic_algorithms_enabled():  # one pass (section 2b)
-        bm, bn, warps, stages = GLUON_TILES[D]["bwd"]
+    # At D64 one pass (section 2b's ONE_PASS) unless torch.use_deterministic_algorithms is on: Delta first, then
+    # the dK/dV kernel has the copy engine add dQ into dq_acc. Otherwise dQ first: it also writes Delta =
+    # rowsum(dO * O), which the dK/dV kernel reads; each gradient has one owner, no atomics.
+    one_pass = "bwd" in gluon_passes and not torch.are_deterministic_algorithms_enabled()
+    dq_acc = None
+    if one_pass:
         _delta_kernel[((Nq + 63) // 64, B * H)](o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], H, Nq, D=D,
                                                 BLOCK=64)
         dq_acc = torch.zeros(B, H, Nq, D, device=q4.device, dtype=torch.float32)  # the copy engine adds into it
-        _bwd_gluon_kernel[((Nk + bn - 1) // bn, B * H)](
-            _descriptor(q4, bm), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(do4, bm), _descriptor(dk4, bn),
-            _descriptor(dv4, bn), _descriptor(dq_acc, bm), lse, delta, H, Nq, scale * LOG2E, scale, CAUSAL=causal,
-            D=D, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
-        dq4.copy_(dq_acc)  # to 16 bits, in the gradient's layout
-        return
-    # dQ first: it also writes D = rowsum(dO * O), which the dK/dV kernel reads. No atomics.
-    if "dq" in gluon_passes:
+    elif "dq" in gluon_passes:
         bm, bn, warps, stages = GLUON_TILES[D]["dq"]
         _dq_gluon_kernel[((Nq + bm - 1) // bm, B * H)](
             _descriptor(q4, bm), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(do4, bm), _descriptor(dq4, bm),
@@ -1113,13 +1011,16 @@ def _backward(q4, k4, v4, o4, do4, lse, dq, dkv, causal, scale, precision):
                 (*qkv_strides, *o4.stride()[:3], *do4.stride()[:3], *dq[1], *tail), **meta)
     if "dkdv" in gluon_passes:
         bm, bn, warps, stages = GLUON_TILES[D]["dkdv"]
+        dqa_desc = _descriptor(dq_acc, bm) if one_pass else None
         _dkdv_gluon_kernel[((Nk + bn - 1) // bn, B * H)](
             _descriptor(q4, bm), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(do4, bm), _descriptor(dk4, bn),
-            _descriptor(dv4, bn), lse, delta, H, Nq, scale * LOG2E, scale, CAUSAL=causal, D=D, BLOCK_M=bm,
-            BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
+            _descriptor(dv4, bn), dqa_desc, lse, delta, H, Nq, scale * LOG2E, scale, CAUSAL=causal, D=D,
+            BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=stages, ONE_PASS=one_pass, num_warps=warps)
     else:
         _launch("dkdv", Nk, B * H, (q4, k4, v4, do4, lse, delta, dkv[0]),
                 (*qkv_strides, *do4.stride()[:3], *dkv[1], dkv[2], dkv[3], *tail), **meta)
+    if one_pass:
+        dq4.copy_(dq_acc)  # to 16 bits, in the gradient's layout
 
 
 def _precision(q, precision):

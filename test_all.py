@@ -1935,15 +1935,19 @@ def test_flash_gluon_passes_match_the_triton_kernels():
              ((2, 3, 1517, 128), (2, 3, 1781, 128), False, ("fwd", "dq", "dkdv")),
              ((1, 2, 1500, 128), (1, 2, 1500, 128), True, ("fwd", "dq", "dkdv"))]
 
-    class Launches:  # counts the launches of a kernel, which it still runs
+    class OnePassLaunches:  # counts the dK/dV kernel's launches with ONE_PASS on, and runs every launch
         def __init__(self, kernel):
             self.kernel, self.count = kernel, 0
 
         def __getitem__(self, grid):
-            self.count += 1
-            return self.kernel[grid]
-    one_pass = Launches(ft._bwd_gluon_kernel)
-    ft._bwd_gluon_kernel = one_pass
+            launch = self.kernel[grid]
+
+            def counted(*args, **kwargs):
+                self.count += int(kwargs["ONE_PASS"])
+                return launch(*args, **kwargs)
+            return counted
+    one_pass = OnePassLaunches(ft._dkdv_gluon_kernel)
+    ft._dkdv_gluon_kernel = one_pass
     try:
         for dtype in (torch.bfloat16, torch.float16):
             for shape_q, shape_k, causal, passes in cases:
@@ -1975,7 +1979,7 @@ def test_flash_gluon_passes_match_the_triton_kernels():
                     errs = [rel_err(a.float(), b.float()) for a, b in zip(results[path], results["triton"])]
                     assert max(errs) < 1e-2, (path, dtype, shape_q, causal, errs)
     finally:
-        ft._bwd_gluon_kernel = one_pass.kernel
+        ft._dkdv_gluon_kernel = one_pass.kernel
         ft.GLUON = hopper
     # the model's layout: q, k, v read from one (B, S, 3C) projection, their gradients written into one
     for D in (128, 64):  # (D64: the one-pass backward)
