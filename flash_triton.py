@@ -707,7 +707,6 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_de
 
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
     zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    zeros_qt = gl.zeros([D, BLOCK_M], gl.float32, dqt_layout)
     # The zero accumulators pass through a (no-op) wait, which defines their registers before the loop: a register
     # of an in-flight wgmma defined otherwise on some path to its wait (here: the loop's zero-trip exit) makes
     # ptxas serialize every wgmma of the kernel (its warning C7515).
@@ -722,6 +721,7 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_de
         k_a = k_t.load(kv_a)
         v_a = v_t.load(kv_a)
         kt_a_reg = k_t.permute((1, 0)).load(kt_a)
+        zeros_qt = gl.zeros([D, BLOCK_M], gl.float32, dqt_layout)
     else:
         k_a = k_t
         v_a = v_t
