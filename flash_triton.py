@@ -6,9 +6,9 @@ and the row logsumexp L once. The backward recomputes P from Q, K and L, with on
 per query tile and one owning dK/dV per key tile: no atomics, bitwise deterministic gradients.
 On Hopper (with triton 3.6) long sequences run as Gluon kernels instead (2b): the same math with
 each matmul's issue and wait written out, so the softmax's exp2 (and the backward's dS) run under them,
-a forward whose warps specialize (one partition loads, two compute), and at head dim 64 a one-pass
-backward whose dQ tiles the copy engine adds into an fp32 dQ (FlashAttention-3's way; not bitwise
-deterministic, so torch.use_deterministic_algorithms(True) keeps the two passes).
+a forward whose warps specialize (one partition loads, two compute), and at head dim 64 (at 128 from
+16,384 tokens) a one-pass backward whose dQ tiles the copy engine adds into an fp32 dQ (FlashAttention-3's
+way; not bitwise deterministic, so torch.use_deterministic_algorithms(True) keeps the two passes).
 This file imports nothing from the repository: copy it and it runs.
 
     python flash_triton.py                 # the benchmark (on a CPU: the kernels vs the reference, --shapes too)
@@ -318,10 +318,10 @@ def _attn_dkdv_kernel(Q, K, V, DO, L, Delta, DKV, sqb, sqh, sqn, skb, skh, skn, 
 # forward does the same a tile apart (issue S_t and P_{t-1} V_{t-1}, wait for S_t only, compute tile t's
 # softmax while the tensor cores multiply tile t-1's P by V) and is also warp-specialized, as
 # FlashAttention-3's is: a producer partition only issues TMA copies, two consumer warpgroups only compute,
-# each at its own pace, and they meet only at the rings' mbarriers. At head dim 64 the backward also runs
-# in one pass: the dK/dV loop computes each query slice's dQ share too and the copy engine adds it into an
-# fp32 dQ (TMA reduce-add), five matmuls a tile instead of the two passes' seven. Used on Hopper for
-# 16-bit inputs of head dim 64 or 128 when called eagerly (GLUON_PASSES says which pass where: each
+# each at its own pace, and they meet only at the rings' mbarriers. At head dim 64 (at 128 on long sequences)
+# the backward also runs in one pass: the dK/dV loop computes each query slice's dQ share too and the copy
+# engine adds it into an fp32 dQ (TMA reduce-add), five matmuls a tile instead of the two passes' seven. Used on
+# Hopper for 16-bit inputs of head dim 64 or 128 when called eagerly (GLUON_PASSES says which pass where: each
 # where it measured faster); torch.compile traces the Triton kernels above.
 
 
@@ -645,6 +645,8 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_de
     # dQ^T_j = K^T dS^T_j, goes to the copy engine, which adds it into an fp32 dQ in global memory (TMA reduce-add,
     # into dqa_desc): the dQ pass and its recomputed S, P and dP are gone, five matmuls a tile instead of seven.
     # The adds from different key tiles land in whatever order they arrive: dQ is not bitwise reproducible.
+    # ONE_PASS at D128 takes 128 keys and two warpgroups (8 warps, 64 keys each), as cuDNN's backward does: dQ^T's
+    # matmul sums over all 128 keys, each warpgroup computing half of the slice's queries.
     gl.static_assert(BLOCK_N == 16 * gl.num_warps(), "each warp owns 16 key rows")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
@@ -657,14 +659,17 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_de
     Delta += bh * Nq
 
     # register layouts: S^T and dP^T are [BLOCK_N, BLOCK_M] wgmma accumulators, dK and dV [BLOCK_N, D], dQ^T
-    # [D, BLOCK_M]. ONE_PASS takes every A operand from registers: K and V (loaded once) for S^T and dP^T, K^T for
-    # dQ^T (dS^T, its B operand, goes through shared memory); the two passes keep K and V in shared memory.
+    # [D, BLOCK_M] (with two warpgroups, split between them along the queries). ONE_PASS with one warpgroup takes
+    # every A operand from registers: K and V (loaded once) for S^T and dP^T, K^T for dQ^T (dS^T, its B operand,
+    # goes through shared memory); the two passes, and two warpgroups (short of registers), read them from
+    # shared memory.
+    WARPGROUPS: gl.constexpr = gl.num_warps() // 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                         instr_shape=[16, D, 16])
-    dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
-                                                         instr_shape=[16, BLOCK_M, 16])
+    dqt_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
+                                                         instr_shape=[16, BLOCK_M // WARPGROUPS, 16])
     pds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)  # P^T, dS^T
     kv_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)  # K, V
     kt_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dqt_layout, k_width=2)  # K^T
@@ -718,25 +723,43 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_de
     v_t = v_smem.reshape([BLOCK_N, D])
     mbarrier.wait(kv_bar, 0)
     if ONE_PASS:
+        zeros_qt = gl.zeros([D, BLOCK_M], gl.float32, dqt_layout)
+    if ONE_PASS and WARPGROUPS == 1:
         k_a = k_t.load(kv_a)
         v_a = v_t.load(kv_a)
-        kt_a_reg = k_t.permute((1, 0)).load(kt_a)
-        zeros_qt = gl.zeros([D, BLOCK_M], gl.float32, dqt_layout)
+        kt = k_t.permute((1, 0)).load(kt_a)  # dQ^T's A operand
     else:
         k_a = k_t
         v_a = v_t
+        kt = k_t.permute((1, 0))
 
+    # L and Delta of a query slice (one register each), loaded a slice ahead; rows past Nq: L = +inf, so P^T = 0
+    offs_v = lo + gl.arange(0, BLOCK_M, layout=vec_layout)
+    l_next = gl.load(L + offs_v, mask=offs_v < Nq, other=float("inf"))
+    delta_next = gl.load(Delta + offs_v, mask=offs_v < Nq, other=0.0)
     for j in range(n_iter):
         start_m = lo + j * BLOCK_M
         stage = j % NUM_STAGES
-        offs_v = start_m + gl.arange(0, BLOCK_M, layout=vec_layout)  # rows past Nq: L = +inf, so P^T = 0
-        lse2_v = gl.load(L + offs_v, mask=offs_v < Nq, other=float("inf"))
-        delta_v = gl.load(Delta + offs_v, mask=offs_v < Nq, other=0.0)
+        l_v = l_next
+        delta_v = delta_next
+        offs_v = start_m + BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
+        l_next = gl.load(L + offs_v, mask=offs_v < Nq, other=float("inf"))
+        delta_next = gl.load(Delta + offs_v, mask=offs_v < Nq, other=0.0)
+        if WARPGROUPS > 1:
+            # S^T's and dP^T's accumulators start at -L/scale and -Delta (down every key row), so the matmuls
+            # return S^T - L/scale and dP^T - Delta: the two columns (16 values a thread) live only until the
+            # matmuls are issued, not across the exponentials, which two warpgroups are short of registers for
+            s_start = zeros_s - gl.convert_layout(l_v / scale, col_layout)[None, :]
+            dp_start = zeros_s - gl.convert_layout(delta_v, col_layout)[None, :]
         mbarrier.wait(ready.index(stage), (j // NUM_STAGES) & 1)
         q_t = q_smem.index(stage).reshape([BLOCK_M, D])
         do_t = do_smem.index(stage).reshape([BLOCK_M, D])
-        sT = warpgroup_mma(k_a, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v_a, do_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        if WARPGROUPS > 1:
+            sT = warpgroup_mma(k_a, q_t.permute((1, 0)), s_start, is_async=True)
+            dpT = warpgroup_mma(v_a, do_t.permute((1, 0)), dp_start, is_async=True)
+        else:
+            sT = warpgroup_mma(k_a, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+            dpT = warpgroup_mma(v_a, do_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
         # in flight, oldest first: dV_{j-1}, dK_{j-1}, S^T, dP^T. Leave dP^T; slice j-1's Q and dO are read.
         sT, dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(sT, dk, dv))
         nj = j + NUM_STAGES - 1  # slice j-1's stage is free: load slice j+NUM_STAGES-1 into it
@@ -747,28 +770,38 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_de
         tma.async_copy_global_to_shared(do_desc, [b, h, lo + nj * BLOCK_M, 0], ready.index(ns), do_smem.index(ns),
                                         pred=nj < n_iter)
 
-        lse2 = gl.convert_layout(lse2_v, col_layout) * LOG2E_K
-        pT = gl.exp2(sT * qk_scale - lse2[None, :])  # while dP^T runs
+        if WARPGROUPS > 1:
+            pT = gl.exp2(sT * qk_scale)  # qk_scale (S^T - L/scale) = S^T scale log2(e) - L log2(e)
+        else:
+            pT = gl.exp2(sT * qk_scale - (gl.convert_layout(l_v, col_layout) * LOG2E_K)[None, :])  # while dP^T runs
         if CAUSAL:
             if start_m < start_n + BLOCK_N:  # the diagonal slice(s): only queries at or after their key
                 offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
                 pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), pds_layout), do_t, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT, ))  # dP^T done; dV still running
-        dsT = pT * (dpT - gl.convert_layout(delta_v, col_layout)[None, :])
+        if WARPGROUPS > 1:
+            dsT = pT * dpT
+        else:
+            dsT = pT * (dpT - gl.convert_layout(delta_v, col_layout)[None, :])
         if ONE_PASS:
             dsT = (dsT * scale).to(dtype)  # the softmax scale in dS^T once: dK and dQ both carry it
             ds_smem.store(dsT)
             fence_async_shared()
+            # dQ's tile goes into the buffer whose add (issued two slices ago) the copy engine has finished
+            # reading. Two warpgroups, which wait for each other at every barrier, check that at the barrier they
+            # meet at anyway; one warpgroup checks it later, under dQ^T's matmul.
+            buf = j % 2
+            if WARPGROUPS > 1:
+                tma.store_wait(pendings=1)
             gl.thread_barrier()  # dQ^T's matmul reads every warp's rows of dS^T
-            dqt = warpgroup_mma(kt_a_reg, ds_smem, zeros_qt, use_acc=False, is_async=True)
+            dqt = warpgroup_mma(kt, ds_smem, zeros_qt, use_acc=False, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(dsT, pds_layout), q_t, dk, is_async=True)  # runs into slice j+1
             dqt = warpgroup_mma_wait(num_outstanding=1, deps=(dqt, ))  # dV and dQ^T done
-            # dQ's tile out: into the buffer whose add (issued two slices ago) the copy engine has finished
-            # reading, stored transposed (the buffer is [BLOCK_M, D], as dQ is), then added into dQ
-            buf = j % 2
-            tma.store_wait(pendings=1)
-            gl.thread_barrier()
+            if WARPGROUPS == 1:
+                tma.store_wait(pendings=1)
+                gl.thread_barrier()
+            # stored transposed (the buffer is [BLOCK_M, D], as dQ is), then added into dQ
             dq_smem.index(buf).reshape([BLOCK_M, D]).permute((1, 0)).store(dqt)
             fence_async_shared()
             gl.thread_barrier()
@@ -796,11 +829,12 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_de
 
 # takeaway: where the compiler serializes the matmuls, writing out each one's issue and wait lets the exponentials and
 # dS run under them: the same math, faster where the registers allow it. Warps that only load and warps that only
-# compute, meeting at mbarriers, took the forward to cuDNN's speed; the same split slowed the backward's passes, which
-# keep one warpgroup a program. A 64-row matmul reading both operands from shared memory asks it for about as many
-# bytes a cycle as it serves: an operand already in registers (P, dS, K, V) feeds the tensor cores from there. One
-# pass instead of two saves the dQ pass's recomputed matmuls, and pays in a dQ tile written out every slice and in
-# gradients that are no longer bitwise reproducible.
+# compute, meeting at mbarriers, took the forward to cuDNN's speed; the same split slowed the backward, whose passes
+# keep one warpgroup a program (two at D128's one pass, in step). A 64-row matmul reading both operands from shared
+# memory asks it for about as many bytes a cycle as it serves: an operand already in registers (P, dS, K, V) feeds
+# the tensor cores from there. One pass instead of two saves the dQ pass's recomputed matmuls, and pays in a dQ tile
+# written out every slice and in gradients that are no longer bitwise reproducible. Where registers run out, a value
+# folded into a matmul's starting accumulator (-L/scale, -Delta) is one fewer held across the loop.
 
 # --- 3. tile configurations, launchers and the autograd.Function
 
@@ -832,16 +866,19 @@ KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_dkdv_kernel, "dq": _attn_dq_ke
 # takes 1.02x, 1.04x and 0.98x its time. Without the producer (one warpgroup of 64 rows a program, the tensor
 # cores' overlap alone) it was 0.99x, 0.94x and 0.85x; two warpgroups kept in step by thread barriers, 0.95-1.18x.
 # At GPT-2's shape 1.6x (the same launch cost).
-# At D64 the backward runs in one pass ("bwd": _dkdv_gluon_kernel's ONE_PASS) unless torch.use_deterministic_algorithms
-# is on:
-# 0.93-0.94x the two passes' time at S16384 (H100, 3 interleaved repeats); at D128 it took 1.21-1.33x.
-GLUON_PASSES = {64: ("fwd", "dq", "dkdv", "bwd"), 128: ("fwd", "dq", "dkdv")}
+# The backward runs in one pass ("bwd": _dkdv_gluon_kernel's ONE_PASS) from ONE_PASS_FROM tokens on, unless
+# torch.use_deterministic_algorithms is on. At D64: 0.93-0.94x the two passes' time at S16384 (H100, 3 interleaved
+# repeats). At D128 with one warpgroup it took 1.21-1.33x; with two (128 keys, operands from shared memory, the
+# accumulators started at -L/scale and -Delta): 0.90-0.99x at S16384 (the backward alone, four runs of 15
+# interleaved repeats, H100), but 1.05-1.07x at B2 S8192 and 1.06x at B4 S4096: fewer query slices a program.
+GLUON_PASSES = {64: ("fwd", "dq", "dkdv", "bwd"), 128: ("fwd", "dq", "dkdv", "bwd")}
+ONE_PASS_FROM = {64: SHORT_SEQ + 1, 128: 16384}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of each Gluon pass, per head dim. dQ at D64 takes 128 keys a tile:
 # half the loop trips (waits, barriers, copies issued) for the same work, 0.93-0.95x the time of 64-key tiles at
 # S16384 (219 registers, two programs an SM; at D128 they take 251 and fit one: 1.14-1.18x). dK/dV with 128 keys
 # (two warpgroups, 8 warps, one Q/dO ring) took 1.05-1.19x at D64 (H100, 3 interleaved repeats).
-GLUON_TILES = {64: {"fwd": (128, 128, 4, 2), "dq": (64, 128, 4, 2), "dkdv": (64, 64, 4, 2)},  # (one pass: dkdv's)
-               128: {"fwd": (128, 128, 4, 2), "dq": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2)}}
+GLUON_TILES = {64: {"fwd": (128, 128, 4, 2), "dq": (64, 128, 4, 2), "dkdv": (64, 64, 4, 2), "bwd": (64, 64, 4, 2)},
+               128: {"fwd": (128, 128, 4, 2), "dq": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "bwd": (64, 128, 8, 2)}}
 # The forward's partitions share the SM's 64K registers: 12 warps launched at 168 a thread, then the producer's
 # warps give theirs up (setmaxnreg) to the consumers' 232
 FWD_REGS = (168, 232)
@@ -991,10 +1028,11 @@ def _backward(q4, k4, v4, o4, do4, lse, dq, dkv, causal, scale, precision):
         dq4 = dq[0].as_strided(q4.shape, (*dq[1], 1))
         dk4 = dkv[0].as_strided(k4.shape, (*dkv[1], 1), dkv[0].storage_offset() + dkv[2])
         dv4 = dkv[0].as_strided(k4.shape, (*dkv[1], 1), dkv[0].storage_offset() + dkv[3])
-    # At D64 one pass (section 2b's ONE_PASS) unless torch.use_deterministic_algorithms is on: Delta first, then
-    # the dK/dV kernel has the copy engine add dQ into dq_acc. Otherwise dQ first: it also writes Delta =
-    # rowsum(dO * O), which the dK/dV kernel reads; each gradient has one owner, no atomics.
-    one_pass = "bwd" in gluon_passes and not torch.are_deterministic_algorithms_enabled()
+    # One pass (section 2b's ONE_PASS) from ONE_PASS_FROM tokens on, unless torch.use_deterministic_algorithms is on:
+    # Delta first, then the dK/dV kernel has the copy engine add dQ into dq_acc. Otherwise dQ first: it also writes
+    # Delta = rowsum(dO * O), which the dK/dV kernel reads; each gradient has one owner, no atomics.
+    one_pass = ("bwd" in gluon_passes and Nq >= ONE_PASS_FROM[D] and
+                not torch.are_deterministic_algorithms_enabled())
     dq_acc = None
     if one_pass:
         _delta_kernel[((Nq + 63) // 64, B * H)](o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], H, Nq, D=D,
@@ -1010,7 +1048,7 @@ def _backward(q4, k4, v4, o4, do4, lse, dq, dkv, causal, scale, precision):
         _launch("dq", Nq, B * H, (q4, k4, v4, o4, do4, lse, delta, dq[0]),
                 (*qkv_strides, *o4.stride()[:3], *do4.stride()[:3], *dq[1], *tail), **meta)
     if "dkdv" in gluon_passes:
-        bm, bn, warps, stages = GLUON_TILES[D]["dkdv"]
+        bm, bn, warps, stages = GLUON_TILES[D]["bwd" if one_pass else "dkdv"]
         dqa_desc = _descriptor(dq_acc, bm) if one_pass else None
         _dkdv_gluon_kernel[((Nk + bn - 1) // bn, B * H)](
             _descriptor(q4, bm), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(do4, bm), _descriptor(dk4, bn),

@@ -1921,19 +1921,21 @@ def test_flash_kept_launchers_same_answer_new_alignment_new_kernel():
 def test_flash_gluon_passes_match_the_triton_kernels():
     """On a Hopper GPU with triton 3.6 the Gluon passes run where GLUON_PASSES says, and their outputs and gradients
     are the Triton kernels' to within 16-bit rounding: causal and not, ragged, Nq != Nk, D64 and D128, both 16-bit
-    dtypes, the model's head-transposed layout. At D64 the backward runs in one pass (its dQ tiles added in any
-    order) unless torch.use_deterministic_algorithms is on; then the two Gluon passes, bitwise the same run twice."""
+    dtypes, the model's head-transposed layout. From ONE_PASS_FROM tokens on (at D128 lowered here, so that short
+    sequences take it) the backward runs in one pass, its dQ tiles added in any order, unless
+    torch.use_deterministic_algorithms is on; then the two Gluon passes, bitwise the same run twice."""
     import flash_triton as ft
     import triton
     assert ft.GLUON == triton.__version__.startswith("3.6."), (ft.GLUON, triton.__version__)
     hopper = ft.GLUON and torch.cuda.get_device_capability() == (9, 0)  # else: no Gluon pass anywhere
-    all64 = ("fwd", "dq", "dkdv", "bwd")
+    every = ("fwd", "dq", "dkdv", "bwd")
     cases = [((2, 4, 1024, 64), (2, 4, 1024, 64), True, ()),  # up to SHORT_SEQ tokens: Triton's kernels
-             ((1, 2, 2100, 64), (1, 2, 2100, 64), True, all64),
-             ((2, 3, 1517, 64), (2, 3, 1781, 64), False, all64),  # a ragged last key tile
-             ((1, 2, 2048, 64), (1, 2, 100, 64), False, all64),  # fewer keys than a dQ key tile
-             ((2, 3, 1517, 128), (2, 3, 1781, 128), False, ("fwd", "dq", "dkdv")),
-             ((1, 2, 1500, 128), (1, 2, 1500, 128), True, ("fwd", "dq", "dkdv"))]
+             ((1, 2, 2100, 64), (1, 2, 2100, 64), True, every),
+             ((2, 3, 1517, 64), (2, 3, 1781, 64), False, every),  # a ragged last key tile
+             ((1, 2, 2048, 64), (1, 2, 100, 64), False, every),  # fewer keys than a dQ key tile
+             ((2, 3, 1517, 128), (2, 3, 1781, 128), False, every),  # D128's one pass: 128 keys a program
+             ((1, 2, 1500, 128), (1, 2, 1500, 128), True, every),
+             ((1, 2, 1200, 128), (1, 2, 1200, 128), True, every)]  # below ONE_PASS_FROM: the two passes
 
     class OnePassLaunches:  # counts the dK/dV kernel's launches with ONE_PASS on, and runs every launch
         def __init__(self, kernel):
@@ -1948,6 +1950,8 @@ def test_flash_gluon_passes_match_the_triton_kernels():
             return counted
     one_pass = OnePassLaunches(ft._dkdv_gluon_kernel)
     ft._dkdv_gluon_kernel = one_pass
+    one_pass_from = dict(ft.ONE_PASS_FROM)
+    ft.ONE_PASS_FROM[128] = 1500
     try:
         for dtype in (torch.bfloat16, torch.float16):
             for shape_q, shape_k, causal, passes in cases:
@@ -1972,27 +1976,29 @@ def test_flash_gluon_passes_match_the_triton_kernels():
                             assert all(torch.equal(a, b) for a, b in zip(results[path], again)), "not deterministic"
                     finally:
                         torch.use_deterministic_algorithms(False)
-                    expected = int(path == "gluon" and "bwd" in passes and hopper)
+                    long_enough = shape_q[2] >= ft.ONE_PASS_FROM[shape_q[3]]
+                    expected = int(path == "gluon" and "bwd" in passes and hopper and long_enough)
                     assert one_pass.count - launches == expected, (path, shape_q, one_pass.count - launches)
                 ft.GLUON = hopper
                 for path in ("gluon", "deterministic"):
                     errs = [rel_err(a.float(), b.float()) for a, b in zip(results[path], results["triton"])]
                     assert max(errs) < 1e-2, (path, dtype, shape_q, causal, errs)
+        # the model's layout: q, k, v read from one (B, S, 3C) projection, their gradients written into one
+        for D in (128, 64):  # (the one-pass backward at both)
+            qkv = torch.randn(2, 1600, 3 * 4 * D, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(2, 1600, 4 * D, device="cuda", dtype=torch.bfloat16)
+            results = {}  # gluon -> (y, the projection's gradient)
+            for gluon in (True, False):
+                ft.GLUON = gluon and hopper
+                leaf = qkv.clone().requires_grad_()
+                y = ft.flash_attention_qkv(leaf, 4)
+                results[gluon] = (y.detach(), *torch.autograd.grad(y, leaf, dy))
+            ft.GLUON = hopper
+            assert all(rel_err(a.float(), b.float()) < 1e-2 for a, b in zip(results[True], results[False])), D
     finally:
         ft._dkdv_gluon_kernel = one_pass.kernel
+        ft.ONE_PASS_FROM.update(one_pass_from)
         ft.GLUON = hopper
-    # the model's layout: q, k, v read from one (B, S, 3C) projection, their gradients written into one
-    for D in (128, 64):  # (D64: the one-pass backward)
-        qkv = torch.randn(2, 1100, 3 * 4 * D, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn(2, 1100, 4 * D, device="cuda", dtype=torch.bfloat16)
-        results = {}  # gluon -> (y, the projection's gradient)
-        for gluon in (True, False):
-            ft.GLUON = gluon and hopper
-            leaf = qkv.clone().requires_grad_()
-            y = ft.flash_attention_qkv(leaf, 4)
-            results[gluon] = (y.detach(), *torch.autograd.grad(y, leaf, dy))
-        ft.GLUON = hopper
-        assert all(rel_err(a.float(), b.float()) < 1e-2 for a, b in zip(results[True], results[False])), D
 
 @gpu
 def test_flash_tile_search_times_candidates_today_first():
