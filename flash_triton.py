@@ -869,8 +869,9 @@ KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_dkdv_kernel, "dq": _attn_dq_ke
 # The backward runs in one pass ("bwd": _dkdv_gluon_kernel's ONE_PASS) from ONE_PASS_FROM tokens on, unless
 # torch.use_deterministic_algorithms is on. At D64: 0.93-0.94x the two passes' time at S16384 (H100, 3 interleaved
 # repeats). At D128 with one warpgroup it took 1.21-1.33x; with two (128 keys, operands from shared memory, the
-# accumulators started at -L/scale and -Delta): 0.90-0.99x at S16384 (the backward alone, four runs of 15
-# interleaved repeats, H100), but 1.05-1.07x at B2 S8192 and 1.06x at B4 S4096: fewer query slices a program.
+# accumulators started at -L/scale and -Delta): 0.90-1.00x at S16384 (the backward alone, six measurements of 15
+# interleaved repeats, H100; forward+backward 1.04-1.05x cuDNN's in three runs, 1.06-1.11x before), but
+# 1.05-1.07x at B2 S8192 and 1.06x at B4 S4096: fewer query slices a program.
 GLUON_PASSES = {64: ("fwd", "dq", "dkdv", "bwd"), 128: ("fwd", "dq", "dkdv", "bwd")}
 ONE_PASS_FROM = {64: SHORT_SEQ + 1, 128: 16384}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of each Gluon pass, per head dim. dQ at D64 takes 128 keys a tile:
