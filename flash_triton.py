@@ -645,8 +645,9 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_de
     # dQ^T_j = K^T dS^T_j, goes to the copy engine, which adds it into an fp32 dQ in global memory (TMA reduce-add,
     # into dqa_desc): the dQ pass and its recomputed S, P and dP are gone, five matmuls a tile instead of seven.
     # The adds from different key tiles land in whatever order they arrive: dQ is not bitwise reproducible.
-    # ONE_PASS at D128 takes 128 keys and two warpgroups (8 warps, 64 keys each), as cuDNN's backward does: dQ^T's
-    # matmul sums over all 128 keys, each warpgroup computing half of the slice's queries.
+    # Launched with 8 warps (GLUON_TILES: D128's one pass) a program takes 128 keys, two warpgroups of 64, as
+    # cuDNN's backward does: dQ^T's matmul sums over all 128 keys, each warpgroup computing half of the slice's
+    # queries.
     gl.static_assert(BLOCK_N == 16 * gl.num_warps(), "each warp owns 16 key rows")
     dtype: gl.constexpr = q_desc.dtype
     qk_scale = qk_scale.to(gl.float32)
