@@ -1424,7 +1424,65 @@ def report_model_path(shape, times):
           "the split")
     print_table(["impl", "called ms", "graphed ms", "called vs cuDNN"], rows)
 
-# takeaway: compare against SDPA's own fused kernels, paired by repeat, and graphed to remove launch costs.
+
+class NoKernels(torch.autograd.Function):
+    """An autograd.Function that launches nothing (its forward and backward allocate their outputs): what the
+    mechanism alone costs the host, our Function's floor."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False):
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, do):
+        return torch.empty_like(do), torch.empty_like(do), torch.empty_like(do), None
+
+
+def ours_without_kept_launchers(q, k, v, causal):  # Triton specializes and looks the kernel up at every launch
+    LAUNCHERS.clear()
+    return flash_attention(q, k, v, causal)
+
+
+HOST_IMPLS = {"ours": flash_attention, "ours, no kept launchers": ours_without_kept_launchers,
+              "sdpa cudnn": partial(sdpa, "CUDNN_ATTENTION"), "autograd.Function launching nothing": NoKernels.apply}
+
+
+def host_us(f, calls=2000):
+    """Host microseconds a causal forward+backward of f costs, on one head of 128 tokens (bf16, D64): kernels that
+    short finish before the host has launched the next, so the wall clock over many calls is the host's time."""
+    q, k, v, do = (torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def step():
+        return torch.autograd.grad(f(q, k, v, True), (q, k, v), do)
+    for _ in range(100):  # compiled, launchers kept, the allocator's blocks cached
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def report_host(repeats, calls=2000):
+    """What the host spends on one forward+backward, each implementation in turn each repeat: a call's Python and
+    launches, which a busy host stretches and which the GPU hides only while its own work takes longer."""
+    times = {name: [] for name in HOST_IMPLS}
+    for _ in range(repeats):
+        for name, f in HOST_IMPLS.items():
+            times[name].append(host_us(f, calls))
+    rows = []
+    for name, t in times.items():
+        vs = [a / b for a, b in zip(t, times["sdpa cudnn"])]
+        rows.append([name, spread(t, 0), spread(vs, 2, "x")])
+    print("\nhost time per causal forward+backward (B1 H1 S128 D64 bf16: the GPU waits on the host), microseconds "
+          f"over {calls} calls, median (min-max) over repeats")
+    print_table(["impl", "host us per call", "vs cuDNN"], rows)
+    return times
+
+# takeaway: compare against SDPA's own fused kernels, paired by repeat, and graphed to remove launch costs; the
+# host's time a call, apart, says how much of a called time is the host's.
 
 # --- 5b. --tiles: the search behind TUNED, one kernel at a time (its pass timed with every candidate, bf16)
 
@@ -1814,6 +1872,7 @@ def main(argv=None):
     report(results, repeats)
     if GPT2_SHAPE in shapes:  # the GPT-2 shape again, from c_attn's output as gpt.py calls attention
         report_model_path(GPT2_SHAPE[:4], model_path(*GPT2_SHAPE[:4], repeats))
+        report_host(repeats)  # and what its called time rests on: the host's share of a call
 
 
 if __name__ == "__main__":

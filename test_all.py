@@ -2036,6 +2036,23 @@ def test_flash_model_path_agrees_with_cudnn_and_is_timed():
     assert len(rows) == 2 and rows[1][-2].startswith("1.00x"), out.getvalue()
 
 @gpu
+def test_flash_host_cost_table():
+    """The host-time table: a row per implementation, cuDNN's ratio 1.00x; the row without kept launchers computes
+    what flash_attention does (it only empties the launcher cache), and the empty Function's gradients are shaped
+    like its inputs."""
+    import flash_triton as ft
+    q, k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert torch.equal(ft.ours_without_kept_launchers(q, k, v, True), ft.flash_attention(q, k, v, True))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(ft.NoKernels.apply(*leaves, True), leaves, torch.ones_like(q))
+    assert [g.shape for g in grads] == [q.shape] * 3
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        times = ft.report_host(repeats=1, calls=20)
+    assert list(times) == list(ft.HOST_IMPLS) and all(t[0] > 0 for t in times.values()), times
+    rows = [line for line in out.getvalue().splitlines() if line.startswith(tuple(ft.HOST_IMPLS))]
+    assert len(rows) == len(ft.HOST_IMPLS) and "1.00x" in rows[2], out.getvalue()
+
+@gpu
 def test_flash_grid_gpu_prints_every_cell():
     out, _ = main_ok("flash_triton.py", "--grid", "--seqs", "256,1024", "--dims", "64", "--dtypes", "bf16,fp32")
     rows = grid_rows(out)  # 2 dtypes x 2 seqs x 3 passes, every cell a time: nothing runs out of memory this small
