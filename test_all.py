@@ -2052,6 +2052,18 @@ def test_flash_host_cost_table():
     rows = [line for line in out.getvalue().splitlines() if line.startswith(tuple(ft.HOST_IMPLS))]
     assert len(rows) == len(ft.HOST_IMPLS) and "1.00x" in rows[2], out.getvalue()
 
+    def unsupported(q, k, v, causal):
+        raise RuntimeError("no cuDNN attention on this GPU")
+    saved = ft.HOST_IMPLS["sdpa cudnn"]
+    ft.HOST_IMPLS["sdpa cudnn"] = unsupported
+    try:  # a backend that fails is a row saying so; the others are still timed, with no ratio to fail against
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            times = ft.report_host(repeats=2, calls=20)
+    finally:
+        ft.HOST_IMPLS["sdpa cudnn"] = saved
+    assert times["sdpa cudnn"] == "n/a (RuntimeError)" and len(times["ours"]) == 2, times
+    assert not re.search(r"\d\.\d\dx", out.getvalue()), out.getvalue()  # no ratio printed
+
 @gpu
 def test_flash_grid_gpu_prints_every_cell():
     out, _ = main_ok("flash_triton.py", "--grid", "--seqs", "256,1024", "--dims", "64", "--dtypes", "bf16,fp32")
