@@ -860,7 +860,7 @@ KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_dkdv_kernel, "dq": _attn_dq_ke
 # (1.03-1.07x) while P^T and dS^T went through shared memory; from registers it takes 0.90x Triton's time there,
 # and 0.94x its own earlier time at D128 (H100, 3 interleaved repeats). At GPT-2's 1,024 tokens the passes take
 # 0.92x and 0.84x the GPU time, but launching a Gluon kernel (its descriptors built, its arguments specialized: no
-# kept launcher) costs the host more than that: called, forward+backward took 0.424 ms against 0.360 (H100).
+# compiled launcher kept) costs the host more than that: called, forward+backward took 0.424 ms against 0.360 (H100).
 # Short sequences keep Triton's.
 # The forward, warp-specialized (128 query rows, 128 keys a tile), against Triton's (H100, 3 interleaved repeats,
 # ratios of medians): 0.94x at S16384 D64, 0.83x at S16384 D128, 0.78x at B4 S4096 D128, where cuDNN's forward
@@ -886,48 +886,6 @@ GLUON_TILES = {64: {"fwd": (128, 128, 4, 2), "dq": (64, 128, 4, 2), "dkdv": (64,
 FWD_REGS = (168, 232)
 GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 SM90 = {}  # device -> is it a Hopper GPU (compute capability 9.0)
-
-
-# Triton's kernel[grid](...) derives, at every call, what it specializes on (each integer's value 1 or
-# divisibility by 16, each pointer's 16-byte alignment), hashes it into a cache key and then launches:
-# about 36 us a launch on an H100's host, against 14 us for calling the compiled kernel it returned. A
-# model calls these kernels with the same shapes, strides and tiles every step, so the compiled kernel is
-# kept under a key of exactly those values: any value that changes, changes the key.
-LAUNCHERS = {}  # _launch_key(...) -> (the compiled kernel's launcher for one grid, its constexpr values)
-
-
-def _launch_key(name, grid, tensors, scalars, settings):
-    pointers = tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])  # what Triton specializes a pointer on
-    return name, grid, tensors[0].device, settings, scalars, pointers  # scalars (sizes, strides, scale) by value
-
-
-def _launch(name, n, BH, tensors, scalars, **meta):
-    """Launch kernel `name` with its tiles over n rows (queries, or keys for dkdv) of B*H heads: its tensor
-    arguments, then its scalar ones, in the signature's order."""
-    if meta["TMA"]:
-        # in-kernel descriptors live in a scratch buffer from a per-thread allocator (backward has its own thread)
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
-    bm, bn, warps, stages = _tiles(tensors[0].dtype, meta["D"], n)[name]
-    if name != "fwd":  # the diagonal's sub-tile: half of the dimension that iterates, at least a dot's 16
-        meta["DIAG"] = max((bm if name == "dkdv" else bn) // 2, 16)
-    tile = bn if name == "dkdv" else bm
-    grid = ((n + tile - 1) // tile, BH, 1)  # (triton.cdiv costs microseconds a call on the host in newer Triton)
-    meta.update(BLOCK_M=bm, BLOCK_N=bn)
-    kernel = KERNELS[name]
-    args = (*tensors, *scalars)
-    if INTERPRETED or torch.compiler.is_compiling():  # nothing compiled to keep; torch.compile traces kernel[grid]
-        kernel[grid](*args, **meta, num_warps=warps, num_stages=stages)
-        return
-    key = _launch_key(name, grid, tensors, scalars, (*meta.items(), warps, stages))
-    kept = LAUNCHERS.get(key)
-    if kept is None:  # the first call with these values: Triton specializes, compiles (or loads) and launches
-        compiled = kernel[grid](*args, **meta, num_warps=warps, num_stages=stages)
-        # the compiled kernel takes every parameter in the signature's order, the constexprs after the arguments
-        constexprs = tuple(meta[p.name] for p in kernel.params[len(args):])
-        LAUNCHERS[key] = (compiled[grid], constexprs)
-        return
-    launch, constexprs = kept
-    launch(*args, *constexprs)  # the same kernel Triton would pick, without picking it again
 
 
 def tuned_table(D, n):  # the table whose tiles 16-bit inputs of head dim D and n tokens take
@@ -983,84 +941,179 @@ def _as_4d(t):
 
 
 def _grad_buffer(t, n):
-    # n gradients shaped like t (B, H, S, D) in one tensor, laid out as t is: the model's q, k and v are
-    # head-transposed views of one (B, S, 3, H, D) projection, so theirs go to (B, S, H, D) memory, where autograd's
-    # transpose back to (B, S, H*D) is a view (contiguous (B, H, S, D) gradients would each be copied there).
-    # Returns the tensor and the n gradients, views into it.
+    # n gradients shaped like t (B, H, S, D) in one (n, B, H, S, D) tensor, laid out as t is: the model's q, k and v
+    # are head-transposed views of one (B, S, 3, H, D) projection, so theirs go to (B, S, H, D) memory, where
+    # autograd's transpose back to (B, S, H*D) is a view (contiguous (B, H, S, D) gradients would each be copied).
     B, H, S, D = t.shape
     if H > 1 and t.stride(1) < t.stride(2):  # heads inside tokens
-        buffer = t.new_empty(n, B, S, H, D)
-        return buffer, [g.transpose(1, 2) for g in buffer.unbind(0)]
-    buffer = t.new_empty(n, B, H, S, D)
-    return buffer, list(buffer.unbind(0))
+        strides = (B * S * H * D, S * H * D, D, H * D, 1)
+    else:
+        strides = (B * H * S * D, H * S * D, S * D, D, 1)
+    return torch.empty_strided((n, B, H, S, D), strides, device=t.device, dtype=t.dtype)
 
 
-def _forward(q4, k4, v4, causal, scale, precision):
-    """O in (B, S, H, D) memory seen as (B, H, S, D) (the model's o.transpose(1, 2).reshape(B, S, H*D) is free),
-    and the fp32 logsumexp L, natural log like torch.logsumexp."""
-    B, H, Nq, D = q4.shape
-    o = torch.empty(B, Nq, H, D, device=q4.device, dtype=q4.dtype).transpose(1, 2)
-    lse = torch.empty(B, H, Nq, device=q4.device, dtype=torch.float32)
-    if "fwd" in _gluon_passes(q4, Nq, q4, k4, v4):  # (o is aligned: a fresh tensor)
+def _scratch(size, alignment, stream):  # Triton's allocator for the in-kernel TMA descriptors' scratch buffer
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+# Triton's kernel[grid](...) derives, at every call, what it specializes on (each integer's value 1 or
+# divisibility by 16, each pointer's 16-byte alignment), hashes it into a cache key and then launches:
+# about 31 us a launch on an H100's host, against 13 us for calling the compiled kernel it returned.
+class Launch:
+    """One Triton kernel's launch with its tiles, grid and every argument that is not a tensor fixed: the first call
+    goes through kernel[grid] (Triton specializes, compiles or loads, and launches), later calls straight to the
+    compiled kernel's launcher. Later tensors must be laid out and aligned as the first call's were: a Plan's key
+    sees to that."""
+
+    def __init__(self, name, n, BH, dtype, scalars, **meta):
+        # n rows (queries, or keys for dkdv) of B*H heads; scalars: the signature's arguments after its tensors
+        bm, bn, warps, stages = _tiles(dtype, meta["D"], n)[name]
+        if name != "fwd":  # the diagonal's sub-tile: half of the dimension that iterates, at least a dot's 16
+            meta["DIAG"] = max((bm if name == "dkdv" else bn) // 2, 16)
+        tile = bn if name == "dkdv" else bm
+        self.grid = ((n + tile - 1) // tile, BH, 1)  # (triton.cdiv costs microseconds a call on the host)
+        self.kernel, self.scalars = KERNELS[name], scalars
+        self.meta = dict(meta, BLOCK_M=bm, BLOCK_N=bn)
+        self.options = dict(num_warps=warps, num_stages=stages)
+        self.compiled = None  # (the compiled kernel's launcher for the grid, its constexpr values), once launched
+
+    def __call__(self, *tensors):
+        args = (*tensors, *self.scalars)
+        if self.meta["TMA"]:  # the allocator is per thread, and backward runs on autograd's own
+            triton.set_allocator(_scratch)
+        if self.compiled is not None:
+            launcher, constexprs = self.compiled
+            launcher(*args, *constexprs)  # the same kernel Triton would pick, without picking it again
+            return
+        compiled = self.kernel[self.grid](*args, **self.meta, **self.options)
+        if not (INTERPRETED or torch.compiler.is_compiling()):  # (nothing compiled to keep under either)
+            # the compiled kernel takes every parameter in the signature's order, the constexprs after the arguments
+            constexprs = tuple(self.meta[p.name] for p in self.kernel.params[len(args):])
+            self.compiled = compiled[self.grid], constexprs
+
+
+# A call's plan. A model calls attention with the same layouts every step: the same shapes, strides, dtype and
+# device, causal, scale and precision. What a call works out from them (the checks, which kernels run, their
+# tiles, grids and arguments other than tensors, each compiled kernel) is worked out on a layout's first call and
+# kept under a key of exactly those values and each input's 16-byte alignment (Triton specializes a pointer on it):
+# any value that changes, changes the key. A later call allocates its outputs and launches. At GPT-2's shape the
+# kernels take ~0.37 ms a forward+backward, and working it all out again every call costs the host about as much
+# (section 5's host table). Plans hold the tables' choices: clear PLANS after changing GLUON or a table.
+PLANS = {}  # _plan_key(...) -> Plan
+
+
+def _plan_key(kind, tensors, causal, scale, precision, *more):
+    """None where nothing is kept: an input that is not a tensor (the checks say what is wrong), and torch.compile's
+    tracing (its tensors have no addresses; the compiled graph is the plan there)."""
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or torch.compiler.is_compiling():
+        return None
+    layouts = [(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors]
+    return kind, *layouts, causal, scale, precision, _precision(tensors[0], precision), *more  # (as given, as taken)
+
+
+def _new_plan(key, q4, k4, v4, causal, scale, precision):  # a Plan, kept under key unless key is None
+    plan = Plan(q4, k4, v4, causal, q4.shape[-1] ** -0.5 if scale is None else scale, precision)
+    if key is not None:
+        PLANS[key] = plan
+    return plan
+
+
+class Plan:
+    """The kernels for one layout of (B, H, S, D) q, k and v, causal or not, one scale and precision: forward()
+    allocates O and L and launches; backward() launches into gradient buffers, its launches kept per layout of dO."""
+
+    def __init__(self, q4, k4, v4, causal, scale, precision):
+        B, H, Nq, D = q4.shape
+        self.shape, self.Nk = q4.shape, k4.shape[2]
+        self.causal, self.scale, self.precision = causal, scale, precision
+        self.qkv_strides = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3])  # (b, h, n) each
+        self.gluon = _gluon_passes(q4, Nq, q4, k4, v4)  # (O is aligned: a fresh tensor)
+        self.fwd = None
+        self.o_strides = (Nq * H * D, D, H * D, 1)  # O's, (B, H, S, D) seen in (B, S, H, D) memory: see forward()
+        if "fwd" not in self.gluon:
+            scalars = (*self.qkv_strides, *self.o_strides[:3], H, Nq, self.Nk, scale * LOG2E)
+            self.fwd = Launch("fwd", Nq, B * H, q4.dtype, scalars, CAUSAL=causal, D=D, PRECISION=precision,
+                              TMA=_use_tma(q4, k4, v4))
+        self.backwards = {}  # (dO's strides, its alignment, deterministic or not) -> _plan_backward(...)
+
+    def forward(self, q4, k4, v4):
+        """O in (B, S, H, D) memory seen as (B, H, S, D) (the model's o.transpose(1, 2).reshape(B, S, H*D) is free),
+        and the fp32 logsumexp L, natural log like torch.logsumexp."""
+        B, H, Nq, D = self.shape
+        o = torch.empty_strided(self.shape, self.o_strides, device=q4.device, dtype=q4.dtype)
+        lse = torch.empty(B, H, Nq, device=q4.device, dtype=torch.float32)
+        if self.fwd is not None:
+            self.fwd(q4, k4, v4, o, lse)
+            return o, lse
         bm, bn, warps, stages = GLUON_TILES[D]["fwd"]
         _fwd_gluon_kernel[((Nq + bm - 1) // bm, B * H)](
             _descriptor(q4, bm // 2), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(o, bm // 2), lse, H, Nq,
-            k4.shape[2], scale * LOG2E, CAUSAL=causal, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
+            self.Nk, self.scale * LOG2E, CAUSAL=self.causal, D=D, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
             CONSUMER_REGS=FWD_REGS[1], num_warps=warps, maxnreg=FWD_REGS[0])
         return o, lse
-    _launch("fwd", Nq, B * H, (q4, k4, v4, o, lse),
-            (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *o.stride()[:3], H, Nq, k4.shape[2], scale * LOG2E),
-            CAUSAL=causal, D=D, PRECISION=precision, TMA=_use_tma(q4, k4, v4))
-    return o, lse
 
+    def _plan_backward(self, q4, k4, v4, o4, do4, dq, dkv):
+        """(the Gluon passes, one pass or two, the dQ and dK/dV kernels' Launch where Triton's run) for one dO."""
+        B, H, Nq, D = self.shape
+        passes = _gluon_passes(q4, Nq, q4, k4, v4, do4)  # (the gradients' buffers are aligned: fresh tensors)
+        # One pass (section 2b's ONE_PASS) from ONE_PASS_FROM tokens on, unless torch.use_deterministic_algorithms
+        one_pass = "bwd" in passes and Nq >= ONE_PASS_FROM[D] and not torch.are_deterministic_algorithms_enabled()
+        tail = (H, Nq, self.Nk, self.scale * LOG2E, self.scale)
+        meta = dict(CAUSAL=self.causal, D=D, PRECISION=self.precision, TMA=_use_tma(q4, k4, v4, do4))
+        dq_launch = dkdv_launch = None
+        if "dq" not in passes:
+            dq_launch = Launch("dq", Nq, B * H, q4.dtype, (*self.qkv_strides, *o4.stride()[:3], *do4.stride()[:3],
+                                                           *dq[1], *tail), **meta)
+        if "dkdv" not in passes:
+            dkdv_launch = Launch("dkdv", self.Nk, B * H, q4.dtype, (*self.qkv_strides, *do4.stride()[:3], *dkv[1],
+                                                                    dkv[2], dkv[3], *tail), **meta)
+        return passes, one_pass, dq_launch, dkdv_launch
 
-def _backward(q4, k4, v4, o4, do4, lse, dq, dkv, causal, scale, precision):
-    """dQ into dq = (tensor, its (b, h, n) strides), dK and dV into dkv = (one tensor, their (b, h, n) strides, dK's
-    offset, dV's offset), the last dimension contiguous. Whole tensors with strides and offsets, never views into
-    them: under torch.compile a kernel writing into an offset or gapped view, or into one tensor passed twice,
-    is what PyTorch's handling of mutated kernel arguments has got wrong (its issues on both)."""
-    B, H, Nq, D = q4.shape
-    Nk = k4.shape[2]
-    delta = torch.empty(B, H, Nq, device=q4.device, dtype=torch.float32)
-    qkv_strides = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3])
-    tail = (H, Nq, Nk, scale * LOG2E, scale)
-    meta = dict(CAUSAL=causal, D=D, PRECISION=precision, TMA=_use_tma(q4, k4, v4, do4))
-    gluon_passes = _gluon_passes(q4, Nq, q4, k4, v4, do4)  # (the gradients' buffers are aligned: _grad_buffer)
-    if gluon_passes:  # the gradients as (B, H, S, D) views, for their descriptors
-        dq4 = dq[0].as_strided(q4.shape, (*dq[1], 1))
-        dk4 = dkv[0].as_strided(k4.shape, (*dkv[1], 1), dkv[0].storage_offset() + dkv[2])
-        dv4 = dkv[0].as_strided(k4.shape, (*dkv[1], 1), dkv[0].storage_offset() + dkv[3])
-    # One pass (section 2b's ONE_PASS) from ONE_PASS_FROM tokens on, unless torch.use_deterministic_algorithms is on:
-    # Delta first, then the dK/dV kernel has the copy engine add dQ into dq_acc. Otherwise dQ first: it also writes
-    # Delta = rowsum(dO * O), which the dK/dV kernel reads; each gradient has one owner, no atomics.
-    one_pass = ("bwd" in gluon_passes and Nq >= ONE_PASS_FROM[D] and
-                not torch.are_deterministic_algorithms_enabled())
-    dq_acc = None
-    if one_pass:
-        _delta_kernel[((Nq + 63) // 64, B * H)](o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], H, Nq, D=D,
-                                                BLOCK=64)
-        dq_acc = torch.zeros(B, H, Nq, D, device=q4.device, dtype=torch.float32)  # the copy engine adds into it
-    elif "dq" in gluon_passes:
-        bm, bn, warps, stages = GLUON_TILES[D]["dq"]
-        _dq_gluon_kernel[((Nq + bm - 1) // bm, B * H)](
-            _descriptor(q4, bm), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(do4, bm), _descriptor(dq4, bm),
-            o4, lse, delta, *o4.stride()[:3], *tail, CAUSAL=causal, D=D, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=stages,
-            num_warps=warps)
-    else:
-        _launch("dq", Nq, B * H, (q4, k4, v4, o4, do4, lse, delta, dq[0]),
-                (*qkv_strides, *o4.stride()[:3], *do4.stride()[:3], *dq[1], *tail), **meta)
-    if "dkdv" in gluon_passes:
-        bm, bn, warps, stages = GLUON_TILES[D]["bwd" if one_pass else "dkdv"]
-        dqa_desc = _descriptor(dq_acc, bm) if one_pass else None
-        _dkdv_gluon_kernel[((Nk + bn - 1) // bn, B * H)](
-            _descriptor(q4, bm), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(do4, bm), _descriptor(dk4, bn),
-            _descriptor(dv4, bn), dqa_desc, lse, delta, H, Nq, scale * LOG2E, scale, CAUSAL=causal, D=D,
-            BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=stages, ONE_PASS=one_pass, num_warps=warps)
-    else:
-        _launch("dkdv", Nk, B * H, (q4, k4, v4, do4, lse, delta, dkv[0]),
-                (*qkv_strides, *do4.stride()[:3], *dkv[1], dkv[2], dkv[3], *tail), **meta)
-    if one_pass:
-        dq4.copy_(dq_acc)  # to 16 bits, in the gradient's layout
+    def backward(self, q4, k4, v4, o4, do4, lse, dq, dkv):
+        """dQ into dq = (tensor, its (b, h, n) strides), dK and dV into dkv = (one tensor, their (b, h, n) strides, dK's
+        offset, dV's offset), the last dimension contiguous, laid out alike at every call. Whole tensors with strides
+        and offsets, never views into them: under torch.compile a kernel writing into an offset or gapped view, or
+        into one tensor passed twice, is what PyTorch's handling of mutated kernel arguments has got wrong."""
+        key = (do4.stride(), do4.data_ptr() % 16 == 0, torch.are_deterministic_algorithms_enabled())
+        planned = self.backwards.get(key)
+        if planned is None:
+            planned = self._plan_backward(q4, k4, v4, o4, do4, dq, dkv)
+            if not torch.compiler.is_compiling():
+                self.backwards[key] = planned
+        passes, one_pass, dq_launch, dkdv_launch = planned
+        B, H, Nq, D = self.shape
+        delta = torch.empty(B, H, Nq, device=q4.device, dtype=torch.float32)
+        if passes:  # the gradients as (B, H, S, D) views, for their descriptors
+            dq4 = dq[0].as_strided(q4.shape, (*dq[1], 1))
+            dk4 = dkv[0].as_strided(k4.shape, (*dkv[1], 1), dkv[0].storage_offset() + dkv[2])
+            dv4 = dkv[0].as_strided(k4.shape, (*dkv[1], 1), dkv[0].storage_offset() + dkv[3])
+        # One pass: Delta first, then the dK/dV kernel has the copy engine add dQ into dq_acc. Otherwise dQ first:
+        # it also writes Delta = rowsum(dO * O), which the dK/dV kernel reads; each gradient has one owner, no atomics.
+        dq_acc = None
+        if one_pass:
+            _delta_kernel[((Nq + 63) // 64, B * H)](o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], H, Nq, D=D,
+                                                    BLOCK=64)
+            dq_acc = torch.zeros(B, H, Nq, D, device=q4.device, dtype=torch.float32)  # the copy engine adds into it
+        elif dq_launch is None:
+            bm, bn, warps, stages = GLUON_TILES[D]["dq"]
+            _dq_gluon_kernel[((Nq + bm - 1) // bm, B * H)](
+                _descriptor(q4, bm), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(do4, bm),
+                _descriptor(dq4, bm), o4, lse, delta, *o4.stride()[:3], H, Nq, self.Nk, self.scale * LOG2E, self.scale,
+                CAUSAL=self.causal, D=D, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=stages, num_warps=warps)
+        else:
+            dq_launch(q4, k4, v4, o4, do4, lse, delta, dq[0])
+        if dkdv_launch is None:
+            bm, bn, warps, stages = GLUON_TILES[D]["bwd" if one_pass else "dkdv"]
+            dqa_desc = _descriptor(dq_acc, bm) if one_pass else None
+            _dkdv_gluon_kernel[((self.Nk + bn - 1) // bn, B * H)](
+                _descriptor(q4, bm), _descriptor(k4, bn), _descriptor(v4, bn), _descriptor(do4, bm),
+                _descriptor(dk4, bn), _descriptor(dv4, bn), dqa_desc, lse, delta, H, Nq, self.scale * LOG2E,
+                self.scale, CAUSAL=self.causal, D=D, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=stages, ONE_PASS=one_pass,
+                num_warps=warps)
+        else:
+            dkdv_launch(q4, k4, v4, do4, lse, delta, dkv[0])
+        if one_pass:
+            dq4.copy_(dq_acc)  # to 16 bits, in the gradient's layout
 
 
 def _precision(q, precision):
@@ -1079,25 +1132,27 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, scale=None, precision=None):
-        check_inputs(q, k, v, is_causal, precision or "ieee")  # None: torch's setting, read next (fp32 only)
-        precision = _precision(q, precision)
-        q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-        scale = q4.shape[-1] ** -0.5 if scale is None else scale
-        o, lse = _forward(q4, k4, v4, is_causal, scale, precision)
+        key = _plan_key("q, k, v", (q, k, v), is_causal, scale, precision)
+        plan = PLANS.get(key)
+        if plan is None:  # this layout's first call (or a traced one): check, then plan
+            check_inputs(q, k, v, is_causal, precision or "ieee")  # None: torch's setting, read next (fp32 only)
+            plan = _new_plan(key, _as_4d(q), _as_4d(k), _as_4d(v), is_causal, scale, _precision(q, precision))
+        o, lse = plan.forward(_as_4d(q), _as_4d(k), _as_4d(v))
         if q.dim() != 4:  # (a view costs microseconds of Python, which a short kernel notices)
             o, lse = o.view(q.shape), lse.view(q.shape[:-1])
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.precision = is_causal, scale, precision
+        ctx.plan = plan
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         q4, k4, v4, o4, do4 = map(_as_4d, (q, k, v, o, do))
-        dq_buffer, (dq,) = _grad_buffer(q4, 1)
-        dkv_buffer, (dk, dv) = _grad_buffer(k4, 2)  # dV laid out as dK: one set of strides for the kernel
-        _backward(q4, k4, v4, o4, do4, lse, (dq_buffer, dq.stride()[:3]),
-                  (dkv_buffer, dk.stride()[:3], 0, dk.numel()), ctx.causal, ctx.scale, ctx.precision)
+        dq_buffer = _grad_buffer(q4, 1)
+        dkv_buffer = _grad_buffer(k4, 2)  # dV laid out as dK: one set of strides for the kernel
+        ctx.plan.backward(q4, k4, v4, o4, do4, lse, (dq_buffer, dq_buffer.stride()[1:4]),
+                          (dkv_buffer, dkv_buffer.stride()[1:4], 0, dkv_buffer.stride(0)))
+        dq, (dk, dv) = dq_buffer[0], dkv_buffer.unbind(0)
         if q.dim() != 4:
             dq, dk, dv = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
         return dq, dk, dv, None, None, None
@@ -1117,16 +1172,18 @@ class FlashAttentionQKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, n_head, is_causal=True, scale=None):
-        if qkv.dim() != 3 or qkv.shape[-1] % (3 * n_head):
+        key = _plan_key("qkv", (qkv,), is_causal, scale, None, n_head)
+        plan = PLANS.get(key)
+        if plan is None and (qkv.dim() != 3 or qkv.shape[-1] % (3 * n_head)):
             raise ValueError(f"qkv must be (batch, seq, 3 * heads * d) with {n_head} heads; got {tuple(qkv.shape)}")
         qkv = qkv.contiguous()  # (itself when it already is: c_attn's output)
         q, k, v = _heads(qkv, n_head)
-        check_inputs(q, k, v, is_causal, "ieee")
-        precision = _precision(q, None)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        o, lse = _forward(q, k, v, is_causal, scale, precision)
+        if plan is None:  # this layout's first call (or a traced one): check, then plan
+            check_inputs(q, k, v, is_causal, "ieee")
+            plan = _new_plan(key, q, k, v, is_causal, scale, _precision(q, None))
+        o, lse = plan.forward(q, k, v)
         ctx.save_for_backward(qkv, o, lse)
-        ctx.n_head, ctx.causal, ctx.scale, ctx.precision = n_head, is_causal, scale, precision
+        ctx.n_head, ctx.plan = n_head, plan
         B, S, H, D = o.transpose(1, 2).shape
         return o.transpose(1, 2).view(B, S, H * D)  # (B, S, C): o's memory is (B, S, H, D) already
 
@@ -1137,8 +1194,7 @@ class FlashAttentionQKV(torch.autograd.Function):
         do = _as_4d(dy.reshape(B, S, H, D).transpose(1, 2))  # (B, H, S, D), a view of dy when it is contiguous
         dqkv = torch.empty_like(qkv)  # (B, S, 3*C), contiguous like qkv: q's gradient at 0, k's at C, v's at 2C
         strides = (dqkv.stride(0), D, dqkv.stride(1))  # (b, h, n) in it
-        _backward(*_heads(qkv, ctx.n_head), o, do, lse, (dqkv, strides), (dqkv, strides, H * D, 2 * H * D),
-                  ctx.causal, ctx.scale, ctx.precision)
+        ctx.plan.backward(*_heads(qkv, ctx.n_head), o, do, lse, (dqkv, strides), (dqkv, strides, H * D, 2 * H * D))
         return dqkv, None, None, None
 
 
@@ -1191,8 +1247,8 @@ def flash_attention(q, k, v, causal=False, scale=None, precision=None):
     None torch's fp32 matmul setting, so --attn triton matches the rest of the model."""
     return FlashAttention.apply(q, k, v, causal, scale, precision)
 
-# takeaway: tile sizes are per head dim and dtype, a shape's compiled launcher is kept, and the Function saves only
-# q, k, v, O and L.
+# takeaway: tile sizes are per head dim and dtype; a layout's first call plans (checks, kernels, tiles, grids,
+# arguments, compiled launchers) and later calls only allocate and launch; the Function saves only q, k, v, O and L.
 
 # --- 4. the reference: FlashAttention-2 tile by tile in plain PyTorch, on (..., seq, d) tensors
 
@@ -1438,12 +1494,12 @@ class NoKernels(torch.autograd.Function):
         return torch.empty_like(do), torch.empty_like(do), torch.empty_like(do), None
 
 
-def ours_without_kept_launchers(q, k, v, causal):  # Triton specializes and looks the kernel up at every launch
-    LAUNCHERS.clear()
+def ours_planned_every_call(q, k, v, causal):  # checks, tiles, grids, and Triton's own choice at every launch
+    PLANS.clear()
     return flash_attention(q, k, v, causal)
 
 
-HOST_IMPLS = {"ours": flash_attention, "ours, no kept launchers": ours_without_kept_launchers,
+HOST_IMPLS = {"ours": flash_attention, "ours, planned at every call": ours_planned_every_call,
               "sdpa cudnn": partial(sdpa, "CUDNN_ATTENTION"), "autograd.Function launching nothing": NoKernels.apply}
 
 
@@ -1508,21 +1564,20 @@ def search_tiles(kernel, B, H, S, D):
     forward timed for "fwd", the backward (dQ then dK/dV) for the other two, every other kernel on today's tiles."""
     q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = D**-0.5
-    o, lse = _forward(q, k, v, True, scale, "tf32")
-    dq_buffer, (dq,) = _grad_buffer(q, 1)
-    dkv_buffer, (dk, _) = _grad_buffer(k, 2)
-    dq, dkv = (dq_buffer, dq.stride()[:3]), (dkv_buffer, dk.stride()[:3], 0, dk.numel())
+    o, lse = Plan(q, k, v, True, scale, "tf32").forward(q, k, v)
+    dq_buffer, dkv_buffer = _grad_buffer(q, 1), _grad_buffer(k, 2)
+    dq, dkv = (dq_buffer, dq_buffer.stride()[1:4]), (dkv_buffer, dkv_buffer.stride()[1:4], 0, dkv_buffer.stride(0))
     table = tuned_table(D, S)
     tuned = table[D]
     rows = []
     for tiles in [tuned[kernel]] + [t for t in TILE_CANDIDATES[kernel] if t != tuned[kernel]]:
-        table[D] = {**tuned, kernel: tiles}  # the launchers' keys hold the tiles: no stale kernel is reused
+        table[D] = {**tuned, kernel: tiles}
         try:
+            plan = Plan(q, k, v, True, scale, "tf32")  # a plan takes its tiles when it is made: one per candidate
             if kernel == "fwd":
-                ms = triton.testing.do_bench(lambda: _forward(q, k, v, True, scale, "tf32"), return_mode="median")
+                ms = triton.testing.do_bench(lambda: plan.forward(q, k, v), return_mode="median")
             else:
-                ms = triton.testing.do_bench(lambda: _backward(q, k, v, o, do, lse, dq, dkv, True, scale, "tf32"),
-                                             return_mode="median")
+                ms = triton.testing.do_bench(lambda: plan.backward(q, k, v, o, do, lse, dq, dkv), return_mode="median")
             rows.append((tiles, ms))
             print(f"  {kernel} {tiles}: {ms:.3f} ms", file=sys.stderr, flush=True)
         except Exception as e:  # out of shared memory or registers: a row, and the search goes on

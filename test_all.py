@@ -12,7 +12,7 @@ Contents, in the README's script order:
   5. bench_e2e.py: ladder (and its bf16-weights lever), sweep, warm-up table, profile, bad input
   6. memory.py: the analytic model against live tensors, snapshot, checkpointing, the parallelism calculator
   7. ddp.py: all-reduce table, every wrapper, ZeRO and FSDP equal one process, bad input
-  8. flash_triton.py: both autograd Functions against float64, kept launchers, the grid, bad input
+  8. flash_triton.py: both autograd Functions against float64, plans, the grid, bad input
   9. the repository: code style
   the runner: main()
 """
@@ -1746,6 +1746,7 @@ def flash_check(device, cases, shapes):
     default = ft.TMA_HEAD_DIMS
     for tma_dims, dtype, tol in cases:
         ft.TMA_HEAD_DIMS = tma_dims  # tiles load through TMA descriptors at these head dims
+        ft.PLANS.clear()  # (plans hold that choice)
         # exact fp32 kernels compile slowly (unrolled FMA dots): the first two shapes suffice there
         for shape_q, shape_k, causal in shapes[:2] if dtype == torch.float32 else shapes:
             gen = torch.Generator(device=device).manual_seed(1)
@@ -1770,6 +1771,7 @@ def flash_check(device, cases, shapes):
                 errs = [rel_err(x.double(), r) for x, r in zip((o, lse[0], *grads), expected)]
                 assert max(errs) < tol, (fn.__name__, tma_dims, dtype, shape_q, shape_k, causal, errs)
     ft.TMA_HEAD_DIMS = default
+    ft.PLANS.clear()
 
 def flash_grads_in_model_layout(ft):
     """q, k, v as gpt.py makes them (head-transposed views of one (B, S, 3C) projection): their gradients come back
@@ -1821,6 +1823,7 @@ def flash_interpreted():
                 [((1, 2, 37, 16), (1, 2, 37, 16), True), ((2, 40, 32), (2, 100, 32), False),
                  ((1, 1, 100, 64), (1, 1, 100, 64), True), ((2, 1, 2, 33, 16), (2, 1, 2, 33, 16), False)])
     flash_grads_in_model_layout(ft)
+    flash_plans(ft, "cpu")
     out, err = main_ok("flash_triton.py")  # without a GPU: the kernels against the PyTorch reference
     assert out.strip().endswith(": ok"), out + err
     out, err = main_ok("flash_triton.py", "--shapes", "1x2x64x16,1x1x40x64")  # --shapes: the shapes checked
@@ -1834,6 +1837,7 @@ def flash_interpreted():
         ("--tiles dq --grid", "drop --grid"), ("--tiles sideways", "invalid choice"),
         ("--shapes 1x2x64x16 --repeats 2", "--repeats times the GPU benchmark")])
     x = torch.randn(1, 2, 8, 16)
+    ft.FlashAttention.apply(x, x, x, False, None, "ieee")  # planned: a bad precision for it must still be refused
     for args, says in [((torch.randn(1, 2, 8, 48),) * 3, "head dim 48"), ((x, x.half(), x), "dtype"),
                        ((x, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), True), "causal"),
                        ((torch.randn(8, 16),) * 3, "(batch, seq, d)"), ((x, x, x, False, None, "fp8"), "precision"),
@@ -1883,39 +1887,57 @@ def test_flash_gpu_matches_reference(dtypes=(torch.float32, torch.float16, torch
                  ((2, 1000, 128), (2, 1000, 128), True), ((1, 2, 300, 16), (1, 2, 300, 16), True),
                  ((2, 2, 3, 256, 64), (2, 2, 3, 256, 64), True)])
 
-def test_flash_launch_key_follows_what_triton_specializes():
-    """A kept launcher's key: the same for tensors of one layout anywhere aligned; another for a pointer 2 bytes
-    off alignment, another dtype, stride, size or tile."""
+def test_flash_plan_key_follows_what_a_call_decides():
+    """A plan's key: the same for inputs of one layout anywhere aligned; another for a pointer 2 bytes off 16-byte
+    alignment, another dtype, stride, size, causal, scale or precision (fp32's None: torch's setting at the call);
+    none for an input that is not a tensor, which the checks then refuse."""
     with unittest.mock.patch.dict(os.environ):  # on a CPU its import sets TRITON_INTERPRET=1: not for other tests
         import flash_triton as ft
-    def key(t, tiles=(64, 64)):
-        return ft._launch_key("fwd", (1, 1, 1), (t,), (t.stride(0), t.shape[0], 0.125), tiles)
-    a, b = torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16)
-    odd = torch.zeros(64 * 64 + 1, dtype=torch.bfloat16)[1:].view(64, 64)
+    def key(t, causal=True, scale=None, precision=None):
+        return ft._plan_key("q, k, v", (t, t, t), causal, scale, precision)
+    a, b = torch.zeros(2, 64, 64, dtype=torch.bfloat16), torch.zeros(2, 64, 64, dtype=torch.bfloat16)
+    odd = torch.zeros(2 * 64 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 64, 64)
     assert a.data_ptr() != b.data_ptr() and key(a) == key(b)
-    different = [key(odd), key(a.float()), key(torch.zeros(64, 128, dtype=torch.bfloat16)[:, :64]),
-                 key(torch.zeros(32, 64, dtype=torch.bfloat16)), key(a, (128, 64))]
+    different = [key(odd), key(a.half()), key(torch.zeros(2, 64, 128, dtype=torch.bfloat16)[..., :64]),
+                 key(a[:1]), key(a, causal=False), key(a, scale=0.1), key(a, precision="fp8")]
     assert all(k != key(a) for k in different) and len(set(different)) == len(different)
+    f = a.float()
+    assert key(f)[-1] == ft.torch_fp32_precision() and key(a)[-1] == "tf32"  # the precision a call takes
+    assert key(f, precision="ieee") != key(f, precision="tf32")
+    assert ft._plan_key("q, k, v", (a, "k", a), True, None, None) is None
 
-@gpu
-def test_flash_kept_launchers_same_answer_new_alignment_new_kernel():
-    """A shape's second call goes through the compiled kernel kept from its first, bit for bit the same; a tensor
-    at an address Triton specializes differently (2 bytes past 16-byte alignment) gets a kernel of its own."""
-    import flash_triton as ft
-    ft.GLUON = False  # (this process only) the Gluon backward passes launch through Triton's own launcher
-    q, k, v, do = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+def flash_plans(ft, device):
+    """A layout's second call goes through the plan its first made, the same answer bit for bit, no new plan; a q 2
+    bytes off 16-byte alignment gets a plan of its own (on a GPU: Triton's kernel for that alignment), and so does
+    the model's (B, S, 3C) path, reused likewise."""
+    ft.PLANS.clear()
+    gen = torch.Generator(device=device).manual_seed(6)
+    q, k, v, do = (torch.randn(1, 2, 64, 16, generator=gen, device=device).half() for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     first = ft.flash_attention(*leaves, True)
     first_grads = torch.autograd.grad(first, leaves, do)
-    kept = len(ft.LAUNCHERS)  # fwd, dq and dkdv
+    plan = first.grad_fn.plan
+    assert list(ft.PLANS.values()) == [plan] and len(plan.backwards) == 1, ft.PLANS
     again = ft.flash_attention(*leaves, True)
-    assert torch.equal(again, first) and len(ft.LAUNCHERS) == kept, (kept, len(ft.LAUNCHERS))
+    assert again.grad_fn.plan is plan and len(ft.PLANS) == 1 and torch.equal(again, first)
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(again, leaves, do), first_grads))
-    storage = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
+    (passes, one_pass, dq_launch, dkdv_launch), = plan.backwards.values()  # Triton's kernels at 64 tokens
+    if device == "cuda":  # each kernel's compiled launcher kept on its plan
+        assert all(launch.compiled is not None for launch in (plan.fwd, dq_launch, dkdv_launch))
+    storage = torch.empty(q.numel() + 1, device=device, dtype=q.dtype)
     q_odd = storage[1:].view(q.shape).copy_(q)  # the same shape and strides, another alignment
     assert q_odd.data_ptr() % 16 != 0
-    assert rel_err(ft.flash_attention(q_odd, k, v, True).float(), first.float()) < 1e-3
-    assert len(ft.LAUNCHERS) == kept + 1  # a forward compiled for the unaligned q
+    assert rel_err(ft.flash_attention(q_odd, k, v, True).float(), first.float()) < 1e-3 and len(ft.PLANS) == 2
+    qkv = torch.randn(1, 64, 3 * 32, generator=gen, device=device).half().requires_grad_()
+    y = ft.flash_attention_qkv(qkv, 2)
+    y_again = ft.flash_attention_qkv(qkv, 2)
+    assert len(ft.PLANS) == 3 and y_again.grad_fn.plan is y.grad_fn.plan and torch.equal(y, y_again)
+    ft.PLANS.clear()
+
+@gpu
+def test_flash_plans_same_answer_new_alignment_new_plan():
+    import flash_triton as ft
+    flash_plans(ft, "cuda")
 
 @gpu
 def test_flash_gluon_passes_match_the_triton_kernels():
@@ -1952,6 +1974,10 @@ def test_flash_gluon_passes_match_the_triton_kernels():
     ft._dkdv_gluon_kernel = one_pass
     one_pass_from = dict(ft.ONE_PASS_FROM)
     ft.ONE_PASS_FROM[128] = 1500
+
+    def use_gluon(on):  # (plans hold the choice: made anew after it changes)
+        ft.GLUON = on
+        ft.PLANS.clear()
     try:
         for dtype in (torch.bfloat16, torch.float16):
             for shape_q, shape_k, causal, passes in cases:
@@ -1966,7 +1992,7 @@ def test_flash_gluon_passes_match_the_triton_kernels():
                     return (o.detach(), *torch.autograd.grad(o, leaves, do))
                 results = {}  # path -> (O, dQ, dK, dV)
                 for path in ("gluon", "deterministic", "triton"):
-                    ft.GLUON = hopper and path != "triton"
+                    use_gluon(hopper and path != "triton")
                     torch.use_deterministic_algorithms(path == "deterministic", warn_only=True)
                     launches = one_pass.count
                     try:
@@ -1979,7 +2005,7 @@ def test_flash_gluon_passes_match_the_triton_kernels():
                     long_enough = shape_q[2] >= ft.ONE_PASS_FROM[shape_q[3]]
                     expected = int(path == "gluon" and "bwd" in passes and hopper and long_enough)
                     assert one_pass.count - launches == expected, (path, shape_q, one_pass.count - launches)
-                ft.GLUON = hopper
+                use_gluon(hopper)
                 for path in ("gluon", "deterministic"):
                     errs = [rel_err(a.float(), b.float()) for a, b in zip(results[path], results["triton"])]
                     assert max(errs) < 1e-2, (path, dtype, shape_q, causal, errs)
@@ -1989,16 +2015,16 @@ def test_flash_gluon_passes_match_the_triton_kernels():
             dy = torch.randn(2, 1600, 4 * D, device="cuda", dtype=torch.bfloat16)
             results = {}  # gluon -> (y, the projection's gradient)
             for gluon in (True, False):
-                ft.GLUON = gluon and hopper
+                use_gluon(gluon and hopper)
                 leaf = qkv.clone().requires_grad_()
                 y = ft.flash_attention_qkv(leaf, 4)
                 results[gluon] = (y.detach(), *torch.autograd.grad(y, leaf, dy))
-            ft.GLUON = hopper
+            use_gluon(hopper)
             assert all(rel_err(a.float(), b.float()) < 1e-2 for a, b in zip(results[True], results[False])), D
     finally:
         ft._dkdv_gluon_kernel = one_pass.kernel
         ft.ONE_PASS_FROM.update(one_pass_from)
-        ft.GLUON = hopper
+        use_gluon(hopper)
 
 @gpu
 def test_flash_tile_search_times_candidates_today_first():
@@ -2037,12 +2063,12 @@ def test_flash_model_path_agrees_with_cudnn_and_is_timed():
 
 @gpu
 def test_flash_host_cost_table():
-    """The host-time table: a row per implementation, cuDNN's ratio 1.00x; the row without kept launchers computes
-    what flash_attention does (it only empties the launcher cache), and the empty Function's gradients are shaped
-    like its inputs."""
+    """The host-time table: a row per implementation, cuDNN's ratio 1.00x; the row planned at every call computes
+    what flash_attention does (it only empties the plans), and the empty Function's gradients are shaped like its
+    inputs."""
     import flash_triton as ft
     q, k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    assert torch.equal(ft.ours_without_kept_launchers(q, k, v, True), ft.flash_attention(q, k, v, True))
+    assert torch.equal(ft.ours_planned_every_call(q, k, v, True), ft.flash_attention(q, k, v, True))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     grads = torch.autograd.grad(ft.NoKernels.apply(*leaves, True), leaves, torch.ones_like(q))
     assert [g.shape for g in grads] == [q.shape] * 3
