@@ -997,8 +997,9 @@ class Launch:
 # tiles, grids and arguments other than tensors, each compiled kernel) is worked out on a layout's first call and
 # kept under a key of exactly those values and each input's 16-byte alignment (Triton specializes a pointer on it):
 # any value that changes, changes the key. A later call allocates its outputs and launches. At GPT-2's shape the
-# kernels take ~0.37 ms a forward+backward, and working it all out again every call costs the host about as much
-# (section 5's host table). Plans hold the tables' choices: clear PLANS after changing GLUON or a table.
+# kernels take ~0.37 ms a forward+backward; working it all out again at every call cost the host 0.25-0.32 ms
+# more (section 5's host table, H100), enough to leave the GPU waiting. Plans hold the tables' choices: clear
+# PLANS after changing GLUON or a table.
 PLANS = {}  # _plan_key(...) -> Plan
 
 
