@@ -906,9 +906,9 @@ def _aligned(t):  # TMA descriptors need 16-byte aligned bases and row strides
     return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
 
-def _use_tma(*tensors):  # fp32 keeps the exact-dot path
+def _use_tma(*tensors):  # fp32 keeps the exact-dot path; torch.compile's tracing has no addresses to check
     return (tensors[0].shape[-1] in TMA_HEAD_DIMS and tensors[0].dtype != torch.float32 and
-            all(map(_aligned, tensors)))
+            not torch.compiler.is_compiling() and all(map(_aligned, tensors)))
 
 
 def _gluon_passes(q4, n, *tensors):
@@ -1012,8 +1012,19 @@ def _plan_key(kind, tensors, causal, scale, precision, *more):
     return kind, *layouts, causal, scale, precision, _precision(tensors[0], precision), *more  # (as given, as taken)
 
 
+def _default_scale(D):
+    # 1/sqrt(D) as a plain float, D found among HEAD_DIMS by value: while torch.compile traces symbolic shapes D is a
+    # symbol, and a symbolic float passed to a Triton kernel was typed as an integer by inductor (torch 2.11)
+    for d in HEAD_DIMS:
+        if d == D:
+            return d**-0.5
+    return D**-0.5  # (the PyTorch reference's other head dims)
+
+
 def _new_plan(key, q4, k4, v4, causal, scale, precision):  # a Plan, kept under key unless key is None
-    plan = Plan(q4, k4, v4, causal, q4.shape[-1] ** -0.5 if scale is None else scale, precision)
+    if scale is None:
+        scale = _default_scale(q4.shape[-1])
+    plan = Plan(q4, k4, v4, causal, scale, precision)
     if key is not None:
         PLANS[key] = plan
     return plan
@@ -1075,11 +1086,13 @@ class Plan:
         offset, dV's offset), the last dimension contiguous, laid out alike at every call. Whole tensors with strides
         and offsets, never views into them: under torch.compile a kernel writing into an offset or gapped view, or
         into one tensor passed twice, is what PyTorch's handling of mutated kernel arguments has got wrong."""
-        key = (do4.stride(), do4.data_ptr() % 16 == 0, torch.are_deterministic_algorithms_enabled())
+        key = None  # while torch.compile traces (no addresses there, and a graph break): planned anew
+        if not torch.compiler.is_compiling():
+            key = (do4.stride(), do4.data_ptr() % 16 == 0, torch.are_deterministic_algorithms_enabled())
         planned = self.backwards.get(key)
         if planned is None:
             planned = self._plan_backward(q4, k4, v4, o4, do4, dq, dkv)
-            if not torch.compiler.is_compiling():
+            if key is not None:
                 self.backwards[key] = planned
         passes, one_pass, dq_launch, dkdv_launch = planned
         B, H, Nq, D = self.shape

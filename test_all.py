@@ -2099,19 +2099,24 @@ def test_flash_grid_gpu_prints_every_cell():
 
 @gpu
 def test_flash_torch_compile():
+    """Both Functions compiled whole (fullgraph: a graph break fails), forward and backward against SDPA, and again
+    at a second batch size, which recompiles with symbolic shapes; eager plans made before do not get in the way."""
     import flash_triton as ft
     for D in (64, 128):  # D128 loads through TMA descriptors
-        q, k, v = (torch.randn(2, 4, 512, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        ours, ref = [(o, *torch.autograd.grad(o.float().square().sum(), (q, k, v))) for o in (
-            torch.compile(ft.FlashAttention.apply)(q, k, v, True),
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))]
-        assert all(rel_err(a.float(), b.float()) < 2e-2 for a, b in zip(ours, ref)), D
-        # the model's path compiled: the three gradients written into c_attn's one (B, S, 3C) gradient
-        qkv = torch.randn(2, 512, 3 * 4 * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        ours, ref = [(y, *torch.autograd.grad(y.float().square().sum(), qkv)) for y in (
-            torch.compile(ft.flash_attention_qkv)(qkv, 4),
-            ft.attention_as_the_model_calls_it("sdpa cudnn", qkv, 4))]
-        assert all(rel_err(a.float(), b.float()) < 2e-2 for a, b in zip(ours, ref)), ("qkv", D)
+        attention = torch.compile(ft.FlashAttention.apply, fullgraph=True)
+        whole = torch.compile(ft.flash_attention_qkv, fullgraph=True)
+        for B in (2, 3):
+            q, k, v = (torch.randn(B, 4, 512, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            ft.flash_attention(q, k, v, True)  # an eager plan for this layout
+            ours, ref = [(o, *torch.autograd.grad(o.float().square().sum(), (q, k, v))) for o in (
+                attention(q, k, v, True), torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))]
+            assert all(rel_err(a.float(), b.float()) < 2e-2 for a, b in zip(ours, ref)), (B, D)
+            # the model's path compiled: the three gradients written into c_attn's one (B, S, 3C) gradient
+            qkv = torch.randn(B, 512, 3 * 4 * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            ours, ref = [(y, *torch.autograd.grad(y.float().square().sum(), qkv)) for y in (
+                whole(qkv, 4), ft.attention_as_the_model_calls_it("sdpa cudnn", qkv, 4))]
+            assert all(rel_err(a.float(), b.float()) < 2e-2 for a, b in zip(ours, ref)), ("qkv", B, D)
 
 @gpu
 def test_flash_train_matches_sdpa():
@@ -2158,11 +2163,13 @@ def test_code_style_no_folding_no_long_lines():
     assert not bad, "\n".join(bad[:40])
 
 
-def run_isolated(name):
-    """A CUDA test in its own process: a crash, memory cap or poisoned CUDA context stays there; several run at once."""
+def run_isolated(name, environment):
+    """A CUDA test in its own process: a crash, memory cap or poisoned CUDA context stays there; several run at once.
+    Its environment is taken before the tests start: a test here may patch os.environ (torchrun's RANK, say) while
+    another's process starts."""
     start = time.time()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--isolated", name], cwd=HERE, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env())
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environment)
     return name, proc.returncode == 0, time.time() - start, proc.stdout
 
 def main(argv=None):
@@ -2197,7 +2204,7 @@ def main(argv=None):
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 4) // 4))
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     pool = ThreadPoolExecutor(3)  # the CUDA tests, three at a time, while the others run here
-    isolated = [pool.submit(run_isolated, name) for name in on_gpu]
+    isolated = [pool.submit(run_isolated, name, env()) for name in on_gpu]  # env now: before any test patches it
     for name, test in tests:
         if name in cuda:
             skipped += not HAS_CUDA
