@@ -837,7 +837,7 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_de
 # written out every slice and in gradients that are no longer bitwise reproducible. Where registers run out, a value
 # folded into a matmul's starting accumulator (-L/scale, -Delta) is one fewer held across the loop.
 
-# --- 3. tile configurations, launchers and the autograd.Function
+# --- 3. tile configurations, a call's plan and the autograd.Function
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, 16-bit inputs; dkdv iterates BLOCK_M query slices
 # over its key tile, dq BLOCK_N key slices. From @triton.autotune on an H100 (bf16, causal; D16 keeps D64's).
@@ -1525,7 +1525,7 @@ def host_us(f, calls=2000):
 
     def step():
         return torch.autograd.grad(f(q, k, v, True), (q, k, v), do)
-    for _ in range(100):  # compiled, launchers kept, the allocator's blocks cached
+    for _ in range(100):  # compiled, plans kept, the allocator's blocks cached
         step()
     torch.cuda.synchronize()
     start = time.perf_counter()
