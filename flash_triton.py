@@ -1018,7 +1018,7 @@ def _default_scale(D):
     for d in HEAD_DIMS:
         if d == D:
             return d**-0.5
-    return D**-0.5  # (the PyTorch reference's other head dims)
+    raise ValueError(f"head dim {D} is not supported; use one of {HEAD_DIMS}")  # (check_inputs says so first)
 
 
 def _new_plan(key, q4, k4, v4, causal, scale, precision):  # a Plan, kept under key unless key is None
@@ -1039,10 +1039,9 @@ class Plan:
         self.shape, self.Nk = q4.shape, k4.shape[2]
         self.causal, self.scale, self.precision = causal, scale, precision
         self.qkv_strides = (*q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3])  # (b, h, n) each
-        self.gluon = _gluon_passes(q4, Nq, q4, k4, v4)  # (O is aligned: a fresh tensor)
-        self.fwd = None
         self.o_strides = (Nq * H * D, D, H * D, 1)  # O's, (B, H, S, D) seen in (B, S, H, D) memory: see forward()
-        if "fwd" not in self.gluon:
+        self.fwd = None  # None: the Gluon forward (O is aligned: a fresh tensor)
+        if "fwd" not in _gluon_passes(q4, Nq, q4, k4, v4):
             scalars = (*self.qkv_strides, *self.o_strides[:3], H, Nq, self.Nk, scale * LOG2E)
             self.fwd = Launch("fwd", Nq, B * H, q4.dtype, scalars, CAUSAL=causal, D=D, PRECISION=precision,
                               TMA=_use_tma(q4, k4, v4))
