@@ -34,7 +34,8 @@ import gpt  # gpt.NVTX: the switch --nvtx sets
 from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, PRESETS, GPTConfig, MasterWeights,
                  amp_dtype, autocast, check_host_memory, check_output_path, clock, compile_model, configure_optimizer,
                  elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, int_in,
-                 int_list, is_oom, lazily, make_config, mfu, nvtx_range, on_device, plot_to, print_table,
+                 int_list, is_oom, lazily, make_config, mfu, nvtx_range, on_device, plot_to, print_table, GraphedStep,
+                 average_gradients,
                  resolve_device, run_main, set_cublas_workspace, set_tf32, step_bytes, summarize, synchronize,
                  time_rounds, train_step, use_fp8)
 
@@ -96,6 +97,10 @@ class Bench:
     scaler: torch.amp.GradScaler = None
     config: GPTConfig = None
     cublas_workspace: bool = True  # False: gpt.set_cublas_workspace(False) before each of its steps
+    graphed: bool = False  # its train step captured in a CUDA graph (gpt.GraphedStep) at the first call
+    grad_clip: float = 0.0
+    reduce: object = None  # gpt.average_gradients over the ranks (torchrun), or None
+    graph: object = None  # the GraphedStep, once captured
 
 @dataclass(frozen=True)
 class Plan:
@@ -125,11 +130,21 @@ def build(config, s, device):
         optimizer = MasterWeights(model, lr=1e-4)
     else:
         optimizer = configure_optimizer(model, lr=1e-4, matrix_kernel=s["adamw_kernel"])
-    runner = compile_model(model, cuda_graphs=s["graphs"]) if s["compile"] else model
+    runner = compile_model(model) if s["compile"] else model
     scaler = None
     if s["dtype"] == torch.float16:
         scaler = torch.amp.GradScaler(device.type)
-    return Bench(model, runner, optimizer, s["dtype"], s["tf32"], scaler, config, s["cublas_workspace"])
+    return Bench(model, runner, optimizer, s["dtype"], s["tf32"], scaler, config, s["cublas_workspace"], s["graphs"])
+
+def train_once(bench, x, y):
+    """gpt.train_step, or on a rung with CUDA graphs the same step captured whole (gpt.GraphedStep, as train.py
+    runs it), captured at the first call."""
+    if not bench.graphed:
+        return train_step(bench.runner, bench.optimizer, x, y, bench.dtype, bench.scaler, bench.grad_clip,
+                          reduce=bench.reduce)
+    if bench.graph is None:
+        bench.graph = GraphedStep(bench.runner, bench.optimizer, [x], [y], bench.dtype, bench.grad_clip, bench.reduce)
+    return bench.graph([x], [y], bench.optimizer.param_groups[0]["lr"])[0]
 
 def run_step(mode, bench, x, y):
     # The forward runs with autograd on, as in training: it keeps the activations backward needs, most of
@@ -137,7 +152,7 @@ def run_step(mode, bench, x, y):
     set_tf32(bench.tf32)  # process-wide switches: each variant sets its own before queueing
     set_cublas_workspace(bench.cublas_workspace)
     if mode == "train":  # gpt.train_step: forward, backward, AdamW, gradients dropped (NVTX ranges inside)
-        return train_step(bench.runner, bench.optimizer, x, y, bench.dtype, bench.scaler)
+        return train_once(bench, x, y)
     with nvtx_range("forward"), autocast(x.device, bench.dtype):
         _, loss = bench.runner(x, y)
     if mode == "forward-backward":
@@ -159,10 +174,12 @@ def held_bytes(bench):  # what a built model keeps between steps: weights and Ad
         masters = [*bench.optimizer.masters, *(t for pair in bench.optimizer.moments for t in pair)]
     return sum(t.numel() * t.element_size() for t in [*bench.model.parameters(), *state, *masters])
 
-def timed(variants, device, plan):
-    """gpt.time_rounds, a progress line a round; peaks less what the other variants held (none without warm-up)."""
+def timed(variants, device, plan, quiet=False):
+    """gpt.time_rounds, a progress line a round (quiet: none, torchrun's ranks but 0); peaks less what the other
+    variants held (none without warm-up)."""
     def progress(r):
-        print(f"  round {r + 1}/{plan.rounds}", file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"  round {r + 1}/{plan.rounds}", file=sys.stderr, flush=True)
     times, peaks = time_rounds(variants, device, plan.rounds, plan.steps, plan.warmup, progress=progress)
     own = {}
     for name, peak in peaks.items():
@@ -267,9 +284,12 @@ def plot_ladder(plt, path, names, stats, title):
     print(f"wrote the ladder plot to {path}")
 
 
-# --- 2. against nanoGPT: its model.py and train.py's headline, in the same rounds
+# --- 2. against nanoGPT: its model.py and train.py's headline, in the same rounds; under torchrun, both data parallel
 # nanoGPT's train.py step (bf16 autocast, torch.compile, fused AdamW, clip 1.0) against the ladder's
-# headline rung with the same clip (train.py's default), with and without the fused loss; same tokens.
+# headline rung with the same clip (train.py's default), with and without the fused loss; same tokens. Under
+# torchrun --nproc_per_node=N: nanoGPT compiled then wrapped in torch's DDP, as its train.py runs it, against
+# train.py's data-parallel step (one CUDA graph, the gradients averaged after backward), each beside its own
+# one-GPU step run on every GPU at once: the paired ratio to nanoGPT + DDP, and each one's scaling.
 def load_nanogpt(path):
     import importlib.util
 
@@ -288,17 +308,25 @@ def load_nanogpt(path):
             fail(f"--nanogpt {file}: not nanoGPT's model.py (it defines no {name})")
     return module
 
-def build_nanogpt(module, config, device):
-    """nanoGPT's GPT at our sizes, vocab 50304, no bias or dropout, with its own fused AdamW."""
+def build_nanogpt(module, config, device, ddp=False, workspace=True):
+    """nanoGPT's GPT at our sizes, vocab 50304, no bias or dropout, with its own fused AdamW; ddp: compiled, then
+    wrapped in torch's DDP (its bucketed all-reduces overlap the backward), as nanoGPT's train.py does."""
     torch.manual_seed(0)
     cfg = module.GPTConfig(block_size=config.block_size, vocab_size=50304, n_layer=config.n_layer,
                            n_head=config.n_head, n_embd=config.n_embd, dropout=0.0, bias=False)
     with contextlib.redirect_stdout(sys.stderr):  # it prints its parameter counts
         model = module.GPT(cfg).to(device)
         optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), device.type)
-    if device.type != "cuda":  # a smoke run: eager fp32
-        return Bench(model, model, optimizer)
-    return Bench(model, torch.compile(model), optimizer, torch.bfloat16)
+    runner, dtype = model, None  # on the CPU a smoke run: eager fp32
+    if device.type == "cuda":
+        runner, dtype = torch.compile(model), torch.bfloat16
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        device_ids = None
+        if device.type == "cuda":
+            device_ids = [device.index]
+        runner = DDP(runner, device_ids=device_ids)
+    return Bench(model, runner, optimizer, dtype, cublas_workspace=workspace)
 
 def nanogpt_step(bench, x, y):
     set_cublas_workspace(bench.cublas_workspace)  # PyTorch's default, as nanoGPT's train.py runs, unless the row says
@@ -309,53 +337,115 @@ def nanogpt_step(bench, x, y):
     bench.optimizer.step()
     bench.optimizer.zero_grad(set_to_none=True)
 
-def headline_step(bench, x, y):  # ours, clipped at 1.0 as nanoGPT's train.py
+def build_headline(config, s, device, world=1):
+    """Ours at settings s, clipped at 1.0 as nanoGPT's train.py; world > 1: the gradients averaged over the ranks
+    after backward (gpt.average_gradients), inside the step's CUDA graph as train.py runs it."""
+    bench = replace(build(config, s, device), grad_clip=1.0)
+    if world > 1:
+        bench.reduce = partial(average_gradients, [p for p in bench.model.parameters() if p.requires_grad], world)
+    return bench
+
+def headline_step(bench, x, y):
     set_cublas_workspace(bench.cublas_workspace)
-    return train_step(bench.runner, bench.optimizer, x, y, bench.dtype, grad_clip=1.0)
+    return train_once(bench, x, y)
 
-def run_nanogpt(path, module, config, B, T, device, plan):
+def built_step(make, step, x, y):  # gpt.lazily's make(): the variant built at its first call, then its step
+    return partial(step, make(), x, y)
+
+def nanogpt_variants(module, config, device, x, y, world, quiet):
+    """({name: a step built at its first call}, the baseline's name). One process: nanoGPT as its train.py runs it
+    (cuBLAS's workspace on) and, on a GPU, with the headline's cuBLAS setting too (how much of the lead is that
+    switch, which any model can take); ours with and without the fused loss. Under torchrun: each one's step on one
+    GPU (every rank alone, no communication) and data parallel on all of them; ours as train.py runs it on several
+    (without the bf16 weights kept by the optimizer) and with them."""
     gpu = device.type == "cuda"
-    x, y = batch_of(B, T, device)
+    headline = headline_settings(gpu)
+    makers = {}  # name: (build(), step(bench, x, y))
+    if world == 1:
+        base = "nanoGPT model.py"
+        makers[base] = (partial(build_nanogpt, module, config, device), nanogpt_step)
+        if gpu:
+            makers["nanoGPT model.py, cuBLAS without a workspace"] = (
+                partial(build_nanogpt, module, config, device, workspace=False), nanogpt_step)
+        makers["ours, plain loss (--no-fused-ce)"] = (
+            partial(build_headline, config, {**headline, "fused_ce": False}, device), headline_step)
+        makers["ours, the headline"] = (partial(build_headline, config, headline, device), headline_step)
+    else:
+        base = f"nanoGPT model.py + DDP, {world} GPUs"
+        makers["nanoGPT model.py, one GPU"] = (partial(build_nanogpt, module, config, device), nanogpt_step)
+        makers[base] = (partial(build_nanogpt, module, config, device, ddp=True), nanogpt_step)
+        makers["ours, one GPU"] = (partial(build_headline, config, headline, device), headline_step)
+        makers[f"ours, {world} GPUs"] = (
+            partial(build_headline, config, {**headline, "master": False}, device, world), headline_step)
+        if headline["master"]:
+            makers[f"ours, {world} GPUs, bf16 weights kept"] = (
+                partial(build_headline, config, headline, device, world), headline_step)
+    note = "compiling..."
+    if not gpu:
+        note = "first step"
+    variants = {}
+    for name, (make, step) in makers.items():
+        say = None
+        if not quiet:
+            say = f"  {name}: {note}"
+        variants[name] = lazily(partial(built_step, make, step, x, y), device, note=say)
+    return variants, base
+
+def headline_settings(gpu):
+    """The ladder's headline rung; on the CPU a smoke run: no compile, no CUDA graphs, fp32 (no bf16 weights)."""
     headline = dict(list(rungs())[[n for n, _ in LADDER].index(HEADLINE)][2])
-    if not gpu:  # no compile, no CUDA graphs, fp32 (no bf16 weights), SDPA: a smoke run
+    if not gpu:
         headline.update(compile=False, graphs=False, dtype=None, attn="sdpa", master=False)
-    # nanoGPT as its train.py runs it (cuBLAS's workspace on) and, on a GPU, with the headline's cuBLAS setting too:
-    # the second row shows how much of the lead is that switch, which any model can take
-    theirs = {"nanoGPT model.py": True}
-    if gpu:
-        theirs["nanoGPT model.py, cuBLAS without a workspace"] = False
-    ours = {"ours, plain loss (--no-fused-ce)": {**headline, "fused_ce": False}, "ours, the headline": headline}
-    benches, variants = {}, {}
+    return headline
 
-    def make_nanogpt(name, workspace):
-        benches[name] = replace(build_nanogpt(module, config, device), cublas_workspace=workspace)
-        return partial(nanogpt_step, benches[name], x, y)
-
-    def make_ours(name, s):
-        benches[name] = build(config, s, device)
-        return partial(headline_step, benches[name], x, y)
-    note = "compiling..." if gpu else "first step"
-    for name, workspace in theirs.items():
-        variants[name] = lazily(partial(make_nanogpt, name, workspace), device, note=f"  {name}: {note}")
-    for name, s in ours.items():
-        variants[name] = lazily(partial(make_ours, name, s), device, note=f"  {name}: {note}")
-    print(f"timing nanoGPT's model.py and ours together: {plan.warmup} warm-up steps each, then "
-          f"{plan.rounds} rounds of {plan.steps} steps", file=sys.stderr, flush=True)
-    times, peaks = timed(variants, device, plan)
-    stats, base = summarize(times, peaks=peaks), "nanoGPT model.py"
+def run_nanogpt(path, module, config, B, T, device, plan, rank=0, world=1):
+    x, y = batch_of(B, T, device)
+    variants, base = nanogpt_variants(module, config, device, x, y, world, quiet=rank != 0)
+    if rank == 0:
+        print(f"timing nanoGPT's model.py and ours together: {plan.warmup} warm-up steps each, then "
+              f"{plan.rounds} rounds of {plan.steps} steps", file=sys.stderr, flush=True)
+    times, peaks = timed(variants, device, plan, quiet=rank != 0)
+    stats = summarize(times, peaks=peaks)
+    headers = ["variant", "ms/step, median (min-max)", "tokens/s (all its GPUs)", f"tokens/s vs {base} (paired)"]
+    if world > 1:
+        headers.append("scaling: tokens/s vs its one-GPU step (paired)")
+    headers.append("peak alloc (GiB)")
     rows = []
     for name, t in stats.items():
+        gpus = 1
+        if name.startswith(("ours, ", "nanoGPT model.py + DDP")) and "one GPU" not in name:
+            gpus = world
         if t is None:
-            rows.append([name, "OOM", "-", "-", "n/a"])
+            rows.append([name, "OOM"] + ["-"] * (len(headers) - 3) + ["n/a"])
             continue
-        vs = "-" if name == base else speedup(times, name, base)
-        rows.append([name, t.ms(), f"{B * T / t.median * 1e3:,.0f}", vs, "n/a" if t.peak is None else gib(t.peak)])
-    how = "bf16, compiled, fused AdamW" if gpu else "fp32, eager (CPU smoke run)"
-    print(f"\nnanoGPT ({os.path.abspath(path)}) against train.py's headline: {config.n_layer} layers, B={B} T={T}, "
-          f"vocab 50304, {how}, clip 1.0; {plan.rounds} rounds of {plan.steps} steps")
-    print_table(["variant", "ms/step, median (min-max)", "tokens/s", "tokens/s vs nanoGPT (paired)",
-                 "peak alloc (GiB)"], rows)
-    return f"nanogpt: the headline makes {speedup(times, 'ours, the headline', base)} nanoGPT's tokens/s"
+        vs = "-"
+        if name != base:
+            vs = speedup(times, name, base, work=gpus / world)
+        row = [name, t.ms(), f"{gpus * B * T / t.median * 1e3:,.0f}", vs]
+        if world > 1:
+            one = "-"
+            if gpus > 1:
+                one = speedup(times, name, one_gpu_name(name), work=world)
+            row.append(one)
+        row.append("n/a" if t.peak is None else gib(t.peak))
+        rows.append(row)
+    how = "bf16, compiled, fused AdamW" if device.type == "cuda" else "fp32, eager (CPU smoke run)"
+    if rank != 0:
+        return None
+    print(f"\nnanoGPT ({os.path.abspath(path)}) against train.py's headline: {config.n_layer} layers, B={B} T={T} "
+          f"per GPU, vocab 50304, {how}, clip 1.0; {plan.rounds} rounds of {plan.steps} steps")
+    print_table(headers, rows)
+    if world == 1:
+        return f"nanogpt: the headline makes {speedup(times, 'ours, the headline', base)} nanoGPT's tokens/s"
+    ours = f"ours, {world} GPUs"
+    return (f"nanogpt: on {world} GPUs ours makes {speedup(times, ours, base)} nanoGPT + DDP's tokens/s; scaling "
+            f"{speedup(times, ours, 'ours, one GPU', work=world)} (ours), "
+            f"{speedup(times, base, 'nanoGPT model.py, one GPU', work=world)} (nanoGPT + DDP) of its one-GPU step")
+
+def one_gpu_name(name):  # the row a data-parallel row scales from
+    if name.startswith("ours"):
+        return "ours, one GPU"
+    return "nanoGPT model.py, one GPU"
 
 
 # --- 3. the sweep: forward / forward+backward / train step by model, vocab, batch and context
@@ -868,18 +958,37 @@ def settings(args, device):
                               for _, c in configs), f"batch {B} x seq {T}")
     return configs, plan
 
-def device_line(device, nvtx):
+def device_line(device, nvtx, world=1):
     if device.type != "cuda":
         line = (f"device: CPU (no CUDA GPU), torch {torch.__version__}: small sizes that finish in seconds; CPU "
                 "numbers show the method, not GPU performance, and MFU/memory are n/a")
         if nvtx:
             line += "; --nvtx ignored (NVTX ranges need CUDA)"
+        if world > 1:
+            line += f"; {world} processes (gloo)"
         return line
     peak = gpu_peak_flops(device)
     peak_text = "unknown (MFU n/a)"
     if peak is not None:
         peak_text = f"{peak / 1e12:.0f} TFLOP/s"
-    return f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, bf16 peak {peak_text}"
+    gpus = ""
+    if world > 1:
+        gpus = f" x {world} (one a process, NCCL)"
+    return f"device: {torch.cuda.get_device_name(device)}{gpus}, torch {torch.__version__}, bf16 peak {peak_text}"
+
+def start_ranks(device):
+    """torchrun's rank on its own GPU (NCCL), or on the CPU (gloo); its device."""
+    import torch.distributed as dist
+    if device.type != "cuda":
+        dist.init_process_group("gloo")
+        return device
+    local = int(os.environ["LOCAL_RANK"])
+    if local >= torch.cuda.device_count():
+        fail(f"--nproc_per_node is more than the {torch.cuda.device_count()} GPU(s) of this machine: one GPU a process")
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return device
 
 def run_profile(name, config, plan, device, trace):
     bench = build(config, flag_settings(plan, plan.vocab[0]), device)
@@ -893,10 +1002,15 @@ def run_profile(name, config, plan, device, trace):
 
 def main(argv=None):
     args = parse_args(argv)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not args.nanogpt:
+        fail("under torchrun bench_e2e.py runs --nanogpt PATH only (nanoGPT + DDP against train.py's data parallel)")
     try:
         device = resolve_device(args.device)
     except ValueError as e:
         fail(str(e))
+    if world > 1:
+        device = start_ranks(device)
     configs, plan = settings(args, device)
     plt = None
     try:
@@ -911,13 +1025,16 @@ def main(argv=None):
     if args.nanogpt:
         module = load_nanogpt(args.nanogpt)
     gpt.NVTX = args.nvtx and device.type == "cuda"  # torch.cuda.nvtx needs a CUDA build
-    print(device_line(device, args.nvtx))
+    if rank == 0:
+        print(device_line(device, args.nvtx, world))
     (name, config), B, T = configs[0], plan.batch[0], plan.seq[0]
     what = "the ladder"
     try:
         if args.nanogpt:
             what = "the nanoGPT comparison"
-            print("\n" + run_nanogpt(args.nanogpt, module, config, B, T, device, plan))
+            summary = run_nanogpt(args.nanogpt, module, config, B, T, device, plan, rank, world)
+            if rank == 0:
+                print("\n" + summary)
             return
         if args.ladder:
             print("\n" + run_ladder(config, B, T, device, plan, args.plot, plt, args.rungs))

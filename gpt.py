@@ -20,6 +20,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -847,13 +848,15 @@ def adamw(params, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
 
 @triton.jit
 def _adamw(param_ptr, grad_ptr, m_ptr, v_ptr, low_ptr, scale_ptr, step_ptr, n, lr, weight_decay, beta1, beta2, eps,
-           SCALED: tl.constexpr, LOW: tl.constexpr, BLOCK: tl.constexpr):
+           SCALED: tl.constexpr, LOW: tl.constexpr, LR_ON_GPU: tl.constexpr, BLOCK: tl.constexpr):
     # One AdamW step of BLOCK elements of an fp32 parameter, in torch's fused AdamW's arithmetic and order: read
     # the parameter, its gradient and the moments m and v, write the three back (28 bytes a parameter). LOW: the
     # gradient is bf16 and the new parameter is also written in bf16 (MasterWeights' weight copy).
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     step = tl.load(step_ptr)  # this step's number, kept on the GPU as torch's fused AdamW keeps it: no host sync
+    if LR_ON_GPU:  # lr is a one-element tensor: a CUDA graph of the step reads each step's learning rate from it
+        lr = tl.load(lr)
     step_size = lr / (1.0 - tl.exp2(step * tl.log2(beta1)))  # lr / (1 - beta1^step)
     bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
     p = tl.load(param_ptr + offs, mask=inside)
@@ -887,7 +890,8 @@ def adamw_step(param, grad, m, v, step, lr, weight_decay, beta1, beta2, eps, gra
         scale = param if grad_scale is None else grad_scale  # (param stands in, unread, when nothing scales)
         _adamw[(triton.cdiv(n, ADAMW_BLOCK),)](param, grad, m, v, param if low is None else low, scale, step, n, lr,
                                                weight_decay, beta1, beta2, eps, SCALED=grad_scale is not None,
-                                               LOW=low is not None, BLOCK=ADAMW_BLOCK, num_warps=ADAMW_WARPS)
+                                               LOW=low is not None, LR_ON_GPU=torch.is_tensor(lr), BLOCK=ADAMW_BLOCK,
+                                               num_warps=ADAMW_WARPS)
         return
     g = grad.float()
     if grad_scale is not None:
@@ -912,14 +916,14 @@ class AdamW(torch.optim.AdamW):
     parameters, and fp16's skipped steps."""
 
     def ours(self, group, p):
-        """Whether _adamw steps p: an fp32 CUDA matrix with a contiguous fp32 gradient, not a DTensor, a float lr,
-        neither amsgrad nor maximize, and no fp16 skipped-step check (GradScaler's found_inf)."""
+        """Whether _adamw steps p: an fp32 CUDA matrix with a contiguous fp32 gradient, not a DTensor, neither amsgrad
+        nor maximize, and no fp16 skipped-step check (GradScaler's found_inf). lr: a float, or a tensor on the GPU."""
         g = p.grad
         if g is None or type(g) is not torch.Tensor or not p.is_cuda or p.dim() < 2:
             return False
         if p.dtype != torch.float32 or g.dtype != torch.float32 or not (p.is_contiguous() and g.is_contiguous()):
             return False
-        unusual = torch.is_tensor(group["lr"]) or group["amsgrad"] or group["maximize"]
+        unusual = group["amsgrad"] or group["maximize"]
         return not unusual and getattr(self, "found_inf", None) is None
 
     @torch.no_grad()
@@ -1118,34 +1122,37 @@ def no_mark(phase):
     return None
 
 
-def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, mark=None, *, lr=None, no_sync=None,
+def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, mark=None, *, lr=None, reduce=None,
                return_norm=False):
     """One optimizer step; the loss comes back as a GPU tensor, nothing waits. x, y: a batch, or lists of
     micro-batches whose gradients add up (each loss divided by their number: the step sees their mean). Keywords:
-    lr set on every parameter group first (a schedule's value); no_sync (DDP's model.no_sync) holds back the
-    gradient all-reduce on all but the last micro-batch; return_norm: (loss, global grad norm), the norm also
-    without clipping. mark(phase) after each phase; NVTX ranges (forward, backward, optimizer step) if gpt.NVTX."""
+    lr set on every parameter group first (a schedule's value); reduce(): called once after the last micro-batch's
+    backward, before the clip (average_gradients: the mean over the ranks); return_norm: (loss, global grad norm),
+    the norm also without clipping. mark(phase) after each phase; NVTX ranges (forward, backward, optimizer step)
+    if gpt.NVTX."""
     mark = mark or no_mark
     batches = list(zip(x, y)) if isinstance(x, (list, tuple)) else [(x, y)]
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
     total = None
-    for i, (xb, yb) in enumerate(batches):
-        last = i == len(batches) - 1
-        with nullcontext() if last or no_sync is None else no_sync():
-            with nvtx_range("forward"), autocast(xb.device, dtype):
-                _, loss = model(xb, yb)
-            mark("forward")
-            if len(batches) > 1:  # the step's gradient: the mean of the micro-batches'
-                loss = loss / len(batches)
-            with nvtx_range("backward"):
-                if scaler is None:
-                    loss.backward()
-                else:
-                    scaler.scale(loss).backward()  # fp16: scale so small gradients survive
-            mark("backward")
+    for xb, yb in batches:
+        with nvtx_range("forward"), autocast(xb.device, dtype):
+            _, loss = model(xb, yb)
+        mark("forward")
+        if len(batches) > 1:  # the step's gradient: the mean of the micro-batches'
+            loss = loss / len(batches)
+        with nvtx_range("backward"):
+            if scaler is None:
+                loss.backward()
+            else:
+                scaler.scale(loss).backward()  # fp16: scale so small gradients survive
+        mark("backward")
         total = loss.detach() if total is None else total + loss.detach()
+    if reduce is not None:
+        with nvtx_range("all-reduce"):
+            reduce()
+        mark("all-reduce")
     with nvtx_range("optimizer step"):
         if scaler is not None:
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -1160,6 +1167,90 @@ def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, m
     if return_norm:
         return total, norm
     return total
+
+
+def average_gradients(params, world):
+    """Data parallelism's one promise, kept after the last backward: every rank holds the mean of all the ranks'
+    gradients. Copied into one flat buffer for one all-reduce: one per gradient (~150 for gpt2) would each pay the
+    collective's fixed latency. Inside a CUDA graph (GraphedStep) it costs no host time; torch's DDP overlaps the
+    same all-reduce with the backward instead, from hooks that a graph of the compiled step cannot hold."""
+    import torch.distributed as dist
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.flatten().float() for g in grads])  # (all gradients' elements,), fp32
+    dist.all_reduce(flat)  # the sum over the ranks (gloo has no average)
+    flat /= world
+    torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+class GraphedStep:
+    """train_step captured once in a CUDA graph and replayed every step: all its micro-batches' forwards and
+    backwards, the all-reduce, the clip and AdamW are queued by one call, graph.replay(), where otherwise the host
+    launches each of their ~1,000 kernels from Python. A compiled gpt2 step without a graph is host-bound: the
+    GPU waits while Python, autograd and the compiled graphs' wrappers queue kernels (bench_e2e.py --profile).
+
+    A replay runs the captured kernels on the captured addresses, so everything a step reads must stay in place:
+    the batch is copied into buffers the graph reads; the learning rate is a GPU tensor that AdamW's kernels read
+    (a float would be baked in); the loss and the grad norm come back in tensors the graph writes; nothing inside
+    may wait for the host (no .item(), no fp16 GradScaler, whose step checks for infs on the host). The capture
+    follows a few warm-up steps (torch.compile's compilation, cuBLAS's and NCCL's setup, the optimizer's state),
+    which are then undone: the weights and the optimizer's state are put back, so training starts where it was."""
+
+    def __init__(self, model, optimizer, xs, ys, dtype, grad_clip, reduce=None, warmup=3):
+        self.model, self.optimizer = model, optimizer
+        self.xs = [x.clone() for x in xs]  # the graph's inputs: each step's batch is copied in here
+        self.ys = [y.clone() for y in ys]
+        self.lr = torch.zeros((), device=xs[0].device)
+        groups = optimizer.param_groups
+        plain = [(group["lr"], group.get("capturable")) for group in groups]
+        for group in groups:  # torch's fused AdamW reads a tensor lr on the GPU, and asks for capturable to capture
+            group["lr"], group["capturable"] = self.lr, True
+        saved = {id(t): t.detach().clone() for t in step_state(model, optimizer)}  # what the warm-up will change
+        self.lr.fill_(float(plain[0][0]))
+        step = partial(train_step, model, optimizer, self.xs, self.ys, dtype, grad_clip=grad_clip, reduce=reduce,
+                       return_norm=True)
+        side = torch.cuda.Stream()  # warm-up off the default stream, as capture needs (torch.cuda.graphs' notes)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss, self.norm = step()
+        with torch.no_grad():  # the warm-up steps undone; state made by them (AdamW's moments) back to its zeros
+            for t in step_state(model, optimizer):
+                if id(t) in saved:
+                    t.copy_(saved[id(t)])
+                else:
+                    t.zero_()
+        for group, (lr, capturable) in zip(groups, plain):  # floats again for checkpoints; the graph keeps self.lr
+            group["lr"] = lr
+            if capturable is None:
+                group.pop("capturable")
+            else:
+                group["capturable"] = capturable
+
+    def __call__(self, xs, ys, lr):
+        """(loss, grad norm) of one step on micro-batches xs, ys at learning rate lr, as train_step returns them."""
+        for buffer, x in zip(self.xs + self.ys, xs + ys):
+            buffer.copy_(x, non_blocking=True)
+        self.lr.fill_(lr)
+        for group in self.optimizer.param_groups:  # what the optimizer reports (checkpoints, logs)
+            group["lr"] = lr
+        self.graph.replay()
+        return self.loss, self.norm
+
+
+def step_state(model, optimizer):
+    """Every tensor an optimizer step writes: the weights and buffers, the optimizer's state (MasterWeights: its
+    fp32 masters, moments and step count too)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    inner = optimizer
+    if isinstance(optimizer, MasterWeights):
+        inner = optimizer.optimizer
+        tensors += optimizer.masters + [t for pair in optimizer.moments for t in pair] + [optimizer.step_count]
+    tensors += [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
+    return tensors
 
 
 # --- 9. FLOPs and MFU

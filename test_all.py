@@ -838,6 +838,38 @@ def test_train_gpu_recompute_fp8_fused_ce_compile():
     fp16 = train_main(*tiny, "--fp16")[0]
     assert len(fp16) == 8 and fp16[-1] < fp16[0] - 1, fp16
 
+@gpu
+def test_graphed_step_matches_train_step_and_undoes_its_warmup():
+    """gpt.GraphedStep replays what train_step computes (fp32, two micro-batches, a new lr each step, the clip), and
+    its capture leaves the weights and AdamW's state as they were: training starts at step 0."""
+    config = gpt.make_config("tiny", attn="sdpa", fused_norms=True, fused_bias=True)
+    batches = [[torch.randint(0, 50257, (2, 64), device="cuda") for _ in range(4)] for _ in range(3)]
+    runs = []
+    for graph in (False, True):
+        torch.manual_seed(0)
+        model = gpt.GPT(config).cuda()
+        optimizer = gpt.configure_optimizer(model, 1e-3)
+        first = [p.detach().clone() for p in model.parameters()]
+        step = None
+        if graph:
+            step = gpt.GraphedStep(model, optimizer, batches[0][:2], batches[0][2:], None, 1.0)
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), first)), "the warm-up changed the weights"
+            assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in optimizer.state.values())
+        losses = []
+        for i, b in enumerate(batches):
+            lr = 1e-3 * (i + 1)
+            if step is None:
+                loss, _ = gpt.train_step(model, optimizer, b[:2], b[2:], grad_clip=1.0, lr=lr, return_norm=True)
+            else:
+                loss, _ = step(b[:2], b[2:], lr)
+            losses.append(loss.item())
+        assert optimizer.param_groups[0]["lr"] == lr and not torch.is_tensor(optimizer.param_groups[0]["lr"])
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (eager_losses, eager_weights), (graph_losses, graph_weights) = runs
+    torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-5, atol=0)
+    for a, b in zip(graph_weights, eager_weights):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
 # --- 3. bench_attention.py: sweep through the timer, saved-bytes model, script and plot, OOM, bad input
 
 def test_bench_attention_sweep_saved_bytes_and_script():

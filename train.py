@@ -1,21 +1,22 @@
 """Train GPT-2 on Tiny Shakespeare, as fast as one GPU (or several) allows.
 
-Each flag is a speed-up the other scripts measure: --tf32, --bf16 / --fp16, --attn, --vocab 50304, --compile
-(on one GPU with CUDA graphs), --fp8 (H100/H200, in the block layers wide enough to gain); on by default, the
-output layer fused with the loss (--no-fused-ce turns it off), each residual add fused with the LayerNorm after
-it (--no-fused-norms), the MLP's and c_proj's biases added by those kernels (--no-fused-bias), cuBLAS without a
-workspace, so no memset runs before each matmul (--cublas-workspace keeps PyTorch's), the tied embedding's gradient
-added into the fused loss's, AdamW's matrices stepped by gpt.py's kernel, in one process with --bf16 the blocks'
-weights kept in bf16 by the optimizer, cast once a step (--no-master-weights) and, on a GPU in bf16/fp16,
-flash_triton.py's attention (--attn sdpa for SDPA's). The loop never makes the GPU wait: a step's loss
-is read back while the GPU runs the next. Several GPUs: torchrun, DDP or --fsdp (FSDP2: weights, gradients and
-optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C saves --ckpt
-and prints how to resume. --nvtx names each step and its phases for Nsight Systems (nsys profile
+Each flag is a speed-up the other scripts measure: --tf32, --bf16 / --fp16, --attn, --vocab 50304, --compile (and
+then the whole step, micro-batches and all-reduce included, one CUDA graph: --no-cuda-graph), --fp8 (H100/H200, in
+the block layers wide enough to gain); on by default, the output layer fused with the loss (--no-fused-ce turns it
+off), each residual add fused with the LayerNorm after it (--no-fused-norms), the MLP's and c_proj's biases added by
+those kernels (--no-fused-bias), cuBLAS without a workspace, so no memset runs before each matmul (--cublas-
+workspace keeps PyTorch's), the tied embedding's gradient added into the fused loss's, AdamW's matrices stepped by
+gpt.py's kernel, in one process with --bf16 the blocks' weights kept in bf16 by the optimizer, cast once a step
+(--no-master-weights) and, on a GPU in bf16/fp16, flash_triton.py's attention (--attn sdpa for SDPA's). The loop
+never makes the GPU wait: a step's loss is read back while the GPU runs the next. Several GPUs: torchrun, data
+parallel (the gradients averaged by one all-reduce after backward, inside the graph) or --fsdp (FSDP2: weights,
+gradients and optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C
+saves --ckpt and prints how to resume. --nvtx names each step and its phases for Nsight Systems (nsys profile
 --trace=cuda,nvtx). Without CUDA the same command trains `tiny` on a short context.
 
     python train.py --vocab 50304 --bf16 --compile                 # the headline run
     python train.py --vocab 50304 --bf16 --compile --fp8 0         # FP8 in every block (--fp8: >= 2048 wide)
-    torchrun --nproc_per_node=2 train.py --model xl --vocab 50304 --bf16 --compile       # DDP
+    torchrun --nproc_per_node=2 train.py --vocab 50304 --bf16 --compile          # data parallel on two GPUs
     torchrun --nproc_per_node=2 train.py --model 2.7B --vocab 50304 --fsdp --bf16 --compile --recompute 2
     python train.py --steps 40 --ckpt run.pt --stop-after 20; python train.py --steps 40 --ckpt run.pt --resume
 """
@@ -32,31 +33,27 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gpt  # gpt.NVTX: the switch --nvtx sets
-from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, MasterWeights, amp_dtype, autocast,
+from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, GraphedStep, MasterWeights, amp_dtype,
+                 autocast, average_gradients,
                  check_host_memory, check_output_path, clock, compile_model, configure_optimizer, default_attention,
                  elapsed_ms, fail, float_in, flops_per_token, fmt_mfu, fp8_supported, fully_shard_gpt, gib,
                  gpt2_tokenizer, int_in, is_oom, load_tokens, make_config, mfu, nvtx_range, on_device, print_table,
                  resolve_device, set_cublas_workspace, set_tf32, step_bytes, train_step, use_fp8)
 
-# --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, then torch.compile and DDP
-def wrap(model, run, world, device):
-    """The module the loop calls: compiled (CUDA graphs only on one GPU without accumulation: DDP
-    and FSDP launch their collectives from outside the graphs, see compile_model), then DDP. Under
-    FSDP, torch.compile cannot trace the all-gather hooks around each block: it compiles the block's
-    forward (one graph that all blocks share) and runs the embeddings and the loss eagerly."""
-    if run.compile:
-        model = compile_model(model, cuda_graphs=device.type == "cuda" and world == 1 and run.grad_accum == 1)
-    if world > 1 and not run.fsdp:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return model
+# --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, torch.compile; the step as one CUDA graph
+def graphed(run, device):
+    """Whether the step runs as one CUDA graph (gpt.GraphedStep): on a GPU, compiled, with one process or several,
+    with or without accumulation. Not with fp16 (GradScaler checks for infs on the host), nor FSDP (its all-gathers
+    are launched by hooks around each block), nor --no-cuda-graph."""
+    return device.type == "cuda" and run.compile and run.cuda_graph and not run.fp16 and not run.fsdp
 
 def master_weights_apply(run, world):
     """gpt.MasterWeights: bf16 block weights in the model, fp32 masters in the optimizer, in one process training
@@ -83,13 +80,20 @@ def build(run, config, state, rank, world, device, log):
     if state is not None:
         step, pos = apply_checkpoint(state, run.ckpt, raw_model, optimizer, scaler)
         log(f"resumed from {run.ckpt} at step {step}")
-    return raw_model, wrap(raw_model, run, world, device), optimizer, scaler, step, pos
+    if world > 1 and not run.fsdp:  # as DDP starts: every rank from rank 0's weights
+        for t in raw_model.state_dict().values():
+            dist.broadcast(t, 0)
+    model = raw_model
+    if run.compile:  # under FSDP it compiles each block's forward (one graph all blocks share), not the hooks
+        model = compile_model(raw_model)
+    return raw_model, model, optimizer, scaler, step, pos
 
 
-# --- 2. one optimizer step: gpt.train_step (micro-batches, DDP's no_sync, lr, GradScaler), then the ranks' vote
+# --- 2. one optimizer step: gpt.train_step (micro-batches, lr, the ranks' gradients averaged, GradScaler), captured
+# in one CUDA graph where it can be; then the ranks' vote
 def average_and_vote(loss, vote, world):
     """One all-reduce averages the loss over the ranks and counts those asked to stop (StopSignal): queued, not
-    awaited; StepLog reads both a step later. DDP has already averaged the gradients inside backward."""
+    awaited; StepLog reads both a step later. The gradients were averaged inside the step."""
     stats = torch.stack([loss, torch.full((), float(vote), device=loss.device)])
     dist.all_reduce(stats)
     return stats[0] / world, stats[1]
@@ -198,9 +202,12 @@ def train(run, config, data, state, rank, world, device):
     set_cublas_workspace(run.cublas_workspace)
     train_tokens, val, eval_plan = data
     raw_model, model, optimizer, scaler, step, pos = build(run, config, state, rank, world, device, log)
-    # DDP all-reduces gradients in backward: held back on all but the last micro-batch. FSDP reduce-scatters
-    # after every micro-batch: holding back would keep whole gradients, not shards.
-    no_sync = model.no_sync if isinstance(model, DDP) else None
+    # Data parallel: the gradients averaged over the ranks once, after the last micro-batch (gpt.average_gradients).
+    # FSDP reduce-scatters inside backward, after every micro-batch.
+    reduce = None
+    if world > 1 and not run.fsdp:
+        reduce = partial(average_gradients, [p for p in raw_model.parameters() if p.requires_grad], world)
+    graph = None
     tokens_per_step = run.batch * run.seq * run.grad_accum * world
     flops_per_step = flops_per_token(config, run.seq) * tokens_per_step / world  # per GPU
     weights = ""
@@ -222,9 +229,14 @@ def train(run, config, data, state, rank, world, device):
         for step in range(step, run.last):
             xs, ys, pos = micro_batches(train_tokens, pos, run, rank, world, device)
             lr = lr_at(step, run.lr, run.min_lr, run.warmup, run.steps)
+            if graph is None and graphed(run, device):  # captured at the first step, after warm-up steps it undoes
+                graph = GraphedStep(model, optimizer, xs, ys, dtype, run.grad_clip, reduce)
             with nvtx_range(f"step {step}"):
-                loss, norm = train_step(model, optimizer, xs, ys, dtype, scaler, run.grad_clip, lr=lr,
-                                        no_sync=no_sync, return_norm=True)
+                if graph is None:
+                    loss, norm = train_step(model, optimizer, xs, ys, dtype, scaler, run.grad_clip, lr=lr,
+                                            reduce=reduce, return_norm=True)
+                else:
+                    loss, norm = graph(xs, ys, lr)
             votes = None
             if world > 1:
                 loss, votes = average_and_vote(loss, stop.signum is not None, world)
@@ -465,6 +477,8 @@ def parse_args(argv):
     p.add_argument("--no-master-weights", action="store_true", help="autocast's casts of the fp32 weights every "
                    "step, not bf16 weights kept by the optimizer (gpt.MasterWeights: by default with --bf16 in one "
                    "process without --grad-accum or --fp8)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="launch the step's kernels from Python every step, "
+                   "not one CUDA graph of the whole step (by default with --compile on a GPU, except fp16 and FSDP)")
     p.add_argument("--cublas-workspace", action="store_true", help="keep cuBLAS's workspace (PyTorch's default; "
                    "without it, the default here, cuBLAS's Hopper kernels need no memset before each matmul)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -522,6 +536,7 @@ class Run:
     fused_norms: bool
     fused_bias: bool
     cublas_workspace: bool
+    cuda_graph: bool  # asked for (not --no-cuda-graph); used where graphed says
     master_weights: bool  # asked for (not --no-master-weights); used where master_weights_apply says
     compile: bool
     attn: str
@@ -553,7 +568,7 @@ def settings(args, argv, device):
                eval_every=args.eval_every, eval_steps=args.eval_steps, bf16=args.bf16, fp16=args.fp16,
                tf32=args.tf32, fp8=args.fp8, fused_ce=not args.no_fused_ce, fused_norms=not args.no_fused_norms,
                fused_bias=not args.no_fused_bias, cublas_workspace=args.cublas_workspace,
-               master_weights=not args.no_master_weights, compile=args.compile,
+               master_weights=not args.no_master_weights, cuda_graph=not args.no_cuda_graph, compile=args.compile,
                attn=args.attn, fsdp=args.fsdp, recompute=args.recompute or 0, sample=args.sample, seed=args.seed,
                data=args.data,
                ckpt=args.ckpt, resume=args.resume, argv=tuple(argv))
