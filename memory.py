@@ -9,7 +9,7 @@ max_memory_allocated on a GPU; `checkpoint` trades activations for recomputation
     python memory.py account --model gpt2 --seq 1024 --batch 16 --bf16 [--compile]   # predicted vs measured
     python memory.py account --sweep --batch 8 [--model xl] [--unfused]   # gpt2..xl x 128..1024 x fp32/bf16
     python memory.py account --model 2.7B --batch 16 --seq 1024 --bf16 --vocab 50304 --fsdp --compile
-    python memory.py checkpoint --model xl --batch 4 --seq 2048 --bf16   # flat and nested groups of each size
+    python memory.py checkpoint --model xl --batch 4 --seq 2048 --bf16 [--full]   # each at its best [every size]
     python memory.py parallel --bf16 [--devices 64 --tp 4 | --model xl --tp 5 --devices 10]   # pure arithmetic
     python memory.py parallel --bf16 --tflops 990     # + the handout's FFN layer: compute against communication
     python memory.py snapshot --seq 2048 --batch 2 --bf16 --phase both --out snap.pickle    # for memory_viz"""
@@ -710,8 +710,11 @@ def part_checkpoint(device, cfg, B, T, dtype, rounds, sizes, full=False):
           f"{measuring}")
     # the size of the work, said before it starts: at xl, T=2048 in fp32 one step takes seconds on an H200
     steps = len(variants) * (WARMUP_STEPS + rounds)
+    shorter = ""
+    if full:
+        shorter = "; for a shorter run drop --full: none and each scheme at its best g, 3 rounds on a GPU"
     print(f"checkpoint: timing {len(variants)} variants x {rounds} rounds at {L} layers: {steps} train steps of B={B}, "
-          f"T={T} ({WARMUP_STEPS} warm-up steps per variant first, then one per round)")
+          f"T={T} ({WARMUP_STEPS} warm-up steps per variant first, then one per round){shorter}")
     if cuda:
         warm_up_libraries(device, dtype)
     try:
@@ -1232,9 +1235,9 @@ def parallel_values(devices, tp, bandwidth_gbs, latency_us, device_gb):
     return values
 
 
-def announce_cpu(part, model, B, T):  # measured here: account and checkpoint 7-9 s of wall time, 2 shared cores
+def announce_cpu(part, model, B, T, full):  # measured here: account and checkpoint 7-9 s of wall time, 2 shared cores
     sizes = f"model {model}, batch {B}, seq {T}"
-    if (model, B, T) == DEFAULTS[part][0]:
+    if (model, B, T) == DEFAULTS[part][0] and not full:  # checkpoint --full times more variants
         print(f"no CUDA: {part} counts live tensors on the CPU at its CPU default, {sizes}: about 10 s on 2 cores")
     else:
         print(f"no CUDA: {part} counts live tensors on the CPU for {sizes}; the time grows with each (every op is "
@@ -1281,7 +1284,7 @@ def main(argv=None):
         print(f"--seq {T} is longer than {model}'s {preset}-token context: its learned position table (wpe) is "
               f"extended to {T} rows, randomly initialised like every weight here (memory and time are measured)")
     if not cuda and not (args.fsdp or args.ddp):  # (snapshot refused the CPU above)
-        announce_cpu(args.part, model, B, T)
+        announce_cpu(args.part, model, B, T, args.full)
     if args.part == "account" and (args.fsdp or args.ddp):
         predict_rank(cfg, B, T, dtype, args.world or 2, args.fsdp, args.compile)
     elif args.part == "account":

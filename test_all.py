@@ -784,7 +784,7 @@ def test_every_script_stops_cleanly_on_signals():
     cpu = ["--device", "cpu"]
     for script, args, after, signum in [
             ("bench_e2e.py", [*cpu, "--ladder", "--batch", 1, "--seq", 16, "--rounds", 10**6], "round", signal.SIGINT),
-            ("bench_attention.py", [*cpu, "--rounds", 10**6], "fp32 matmuls", signal.SIGTERM),
+            ("bench_attention.py", [*cpu, "--rounds", 10**6], "configurations: ", signal.SIGTERM),  # then the sweep
             ("precision.py", cpu, "== 1.", signal.SIGINT),
             ("memory.py", ["checkpoint", *cpu, "--rounds", 10**6], "round", signal.SIGTERM),
             ("ddp.py", ["selftest", "--backend", "gloo", "--steps", 10**6], "selftest:", signal.SIGTERM)]:
