@@ -2407,7 +2407,7 @@ def main(argv=None):
         print(f"{'PASS' if ok else 'FAIL'} {name} ({seconds:.1f}s, own process){report}", flush=True)
     skips = f"; {skipped} CUDA tests skipped" if skipped else ""
     if cannot_run:
-        skips += f"; {cannot_run} skipped where they cannot run (SKIP above)"
+        skips += f"; {cannot_run} test(s) skipped that cannot run here (SKIP above)"
     print(f"({time.time() - start_all:.0f} s{skips})\n{passed} passed, {failed} failed", flush=True)
     sys.exit(1 if failed else 0)
 
