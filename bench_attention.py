@@ -6,7 +6,8 @@ sequences run out of memory; fused kernels (SDPA's flash / cuDNN / mem-efficient
 Triton kernel) keep only O(S) statistics and recompute the rest in backward. The implementations
 are gpt.py's own (causal, as the model uses them), plus naive attention under torch.compile.
 
-    python bench_attention.py                          # batch 8, 1 head, D 16..128 x S 256..16384, bf16: minutes
+    python bench_attention.py                          # batch 8, 1 head, D 64 x S 1024, 4096, 16384, bf16
+    python bench_attention.py --full                   # the course's sweep, D 16..128 x S 256..16384: minutes
     python bench_attention.py --dtype fp32             # the same sweep in fp32
     python bench_attention.py --impl naive,flash --d 64 --seq 1024,4096
     python bench_attention.py --memory-fraction 0.05   # cap the GPU memory to see OOM cells
@@ -25,15 +26,17 @@ from functools import partial
 
 import torch
 
-from gpt import (ATTENTION, GPU_ONLY_ATTENTION, SDPA_BACKENDS, check_host_memory, compare, fail, float_in,
-                 free_memory, gib, int_in, int_list, is_oom, naive_attention, name_list, on_device, plot_to,
+from gpt import (ATTENTION, GPU_ONLY_ATTENTION, PROGRESS, SDPA_BACKENDS, check_host_memory, compare, fail, float_in,
+                 free_memory, gib, int_in, int_list, is_oom, naive_attention, name_list, on_device, plot_path, plot_to,
                  print_table, resolve_device, run_main, saved_tensor_bytes, synchronize)
 
 IMPLS = (*ATTENTION, "compiled")
 DEFAULT_IMPLS = ("naive", "compiled", *SDPA_BACKENDS, "triton")  # "sdpa" runs one of these: ask for it by name
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-GPU_SWEEP = dict(batch=8, heads=1, d=[16, 32, 64, 128], seq=[256, 1024, 4096, 8192, 16384], rounds=10, steps=5,
-                 warmup=3)
+# the GPU default: GPT-2's head dim at S growing 4x a step, three points against S^2 (3 of the course's 20
+# configurations, chosen to finish in about a minute); --full: all 20, minutes
+GPU_SWEEP = dict(batch=8, heads=1, d=[64], seq=[1024, 4096, 16384], rounds=10, steps=5, warmup=3)
+COURSE_SIZES = dict(d=[16, 32, 64, 128], seq=[256, 1024, 4096, 8192, 16384])
 CPU_SWEEP = dict(batch=2, heads=1, d=[16, 32], seq=[64, 128], rounds=3, steps=2, warmup=1)
 MIB = 2**20
 
@@ -264,6 +267,7 @@ def run_sweep(sweep, impls, device):
     configs = [(D, S) for D in sweep.d for S in sweep.seq]
     start = time.perf_counter()
     for i, (D, S) in enumerate(configs, 1):
+        PROGRESS["stage"] = f"configuration {i} of {len(configs)} (D={D} S={S})"  # said if interrupted
         row = results[D, S] = run_config(sweep, impls, device, D, S)
         free_memory()
         for name, cell in row.items():
@@ -273,6 +277,7 @@ def run_sweep(sweep, impls, device):
         done = ", ".join(f"{n} {status(c)}" for n, c in row.items())
         print(f"[{i}/{len(configs)}, {time.perf_counter() - start:.0f} s] D={D} S={S}: {done}", file=sys.stderr,
               flush=True)
+    PROGRESS["stage"] = ""
     return results, notes
 
 
@@ -411,8 +416,10 @@ def parse_args(argv):
     p.add_argument("--impl", type=name_list(IMPLS, "implementation"),
                    help=f"comma-separated, from {','.join(IMPLS)} (default: all but sdpa)")
     p.add_argument("--baseline", help="implementation the ratio column divides by (default flash, else the first)")
-    p.add_argument("--d", type=int_list(1), help="head dimensions, comma-separated")
-    p.add_argument("--seq", type=int_list(1), help="sequence lengths, comma-separated")
+    p.add_argument("--d", type=int_list(1), help="head dimensions, comma-separated (GPU default 64)")
+    p.add_argument("--seq", type=int_list(1), help="sequence lengths, comma-separated (GPU default 1024,4096,16384)")
+    p.add_argument("--full", action="store_true", help="the course's sweep on a GPU: D 16,32,64,128 x S "
+                   "256,1024,4096,8192,16384, 20 configurations (minutes)")
     p.add_argument("--batch", type=int_in(1))
     p.add_argument("--heads", type=int_in(1))
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
@@ -422,7 +429,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int_in(0), help="untimed steps per implementation first")
     p.add_argument("--memory-fraction", type=float_in(1e-3, 1), help="cap this process's GPU memory, e.g. 0.05")
     p.add_argument("--device")
-    p.add_argument("--plot", help="draw ms and peak memory against S into this PNG (needs matplotlib)")
+    p.add_argument("--plot", type=plot_path, help="draw ms and peak memory against S into this figure (.png, .pdf, "
+                   ".svg, ...: the name's extension; needs matplotlib)")
     return p.parse_args(argv)
 
 
@@ -430,6 +438,12 @@ def sweep_from(args, device):
     """The flags as a Sweep of plain values, defaults by device (gpt.on_device); ValueError in one
     sentence for a combination that cannot work."""
     defaults = on_device(device, cpu=CPU_SWEEP, gpu=GPU_SWEEP)
+    if args.full and (args.d or args.seq):
+        raise ValueError("--full sets --d and --seq to the course's sweep; drop them or drop --full")
+    if args.full and device.type != "cuda":
+        raise ValueError("--full is the course's GPU sweep (minutes on an H100); on a CPU give --d and --seq")
+    if args.full:
+        defaults = {**defaults, **COURSE_SIZES}
     impls = args.impl or list(DEFAULT_IMPLS)
     baseline = args.baseline or ("flash" if "flash" in impls else impls[0])
     if baseline not in impls:
@@ -457,8 +471,8 @@ def sweep_plan(sweep, n_impls, device):
     n = len(sweep.d) * len(sweep.seq)
     line = (f"configurations: {n} ({len(sweep.d)} head dims x {len(sweep.seq)} sequence lengths), each timing "
             f"{n_impls} implementations, a progress line each (stderr)")
-    if device.type == "cuda" and (sweep.d, sweep.seq) == (GPU_SWEEP["d"], GPU_SWEEP["seq"]):
-        line += "; the default takes minutes on an H100 (its first 10 configurations took over 2)"
+    if device.type == "cuda" and (sweep.d, sweep.seq) == (COURSE_SIZES["d"], COURSE_SIZES["seq"]):
+        line += "; the course's sweep takes minutes on an H100 (its first 10 configurations took over 2)"
     if n > 4:
         line += "; --d and --seq narrow it, e.g. --d 64 --seq 1024,4096 runs 2"
     return line
@@ -466,12 +480,10 @@ def sweep_plan(sweep, n_impls, device):
 
 def main(argv=None):
     args = parse_args(argv)
-    plot = args.plot
+    plot = args.plot  # its path and format were checked with the flags (gpt.plot_path)
     try:
         device = resolve_device(args.device)
         sweep = sweep_from(args, device)
-        if plot:
-            plot_to(plot)  # matplotlib present and the path writable, before any work
     except ValueError as e:
         fail(str(e))
     if device.type == "cpu":

@@ -34,8 +34,8 @@ import gpt  # gpt.NVTX: the switch --nvtx sets
 from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, PRESETS, GPTConfig, MasterWeights,
                  amp_dtype, autocast, check_host_memory, check_output_path, clock, compile_model, configure_optimizer,
                  elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, int_in,
-                 int_list, is_oom, lazily, make_config, mfu, nvtx_range, on_device, plot_to, print_table, GraphedStep,
-                 average_gradients,
+                 int_list, is_oom, lazily, make_config, mfu, nvtx_range, on_device, plot_path, plot_to, print_table,
+                 GraphedStep, average_gradients,
                  resolve_device, run_main, set_cublas_workspace, set_tf32, step_bytes, summarize, synchronize,
                  time_rounds, train_step, use_fp8)
 
@@ -296,6 +296,8 @@ def load_nanogpt(path):
     file = os.path.join(path, "model.py") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         fail(f"--nanogpt {path}: no model.py there; give a nanoGPT checkout (git clone of karpathy/nanoGPT)")
+    if not file.endswith(".py"):  # importlib finds no loader for another suffix
+        fail(f"--nanogpt {path} is not a Python file; give a nanoGPT checkout or its model.py")
     spec = importlib.util.spec_from_file_location("nanogpt_model", file)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -590,9 +592,9 @@ def run_warmup_table(name, config, plan, settled, device):
         print(f"  {mode}, {warmup} warm-up steps", file=sys.stderr, flush=True)
         head, rest = warmup_row(config, s, mode, warmup, settled, x, y, device)
         settled_steps = summarize({"settled": rest})["settled"]  # the timer's statistics: mean and sample std
+        ratios[(mode, warmup)] = head[0] / settled_steps.mean  # the row's last column, and what the summary reads
         rows.append([mode, warmup, *[f"{ms:.2f}" for ms in head], settled_steps.mean_std(),
-                     f"{head[0] / settled_steps.mean:.1f}x"])
-        ratios[(mode, warmup)] = head[0] / settled_steps.mean
+                     f"{ratios[(mode, warmup)]:.2f}x"])
     where = torch.cuda.get_device_name(device) if cuda else "CPU"
     print(f"\nwarm-up: {name} B={B} T={T}, {where}; each row a fresh model; steps timed one by one "
           f"(synchronized); settled: mean ± std of the {settled} steps after step {FIRST_STEPS}")
@@ -602,7 +604,7 @@ def run_warmup_table(name, config, plan, settled, device):
                  "settled (ms), mean ± std", "step 1 / settled"], rows)
     print(first_steps_pay_for(cuda, plan.compile))
     return "warm-up table: step 1 without warm-up takes " + ", ".join(
-        f"{ratios[(m, 0)]:.1f}x ({m})" for m in plan.modes) + " a settled step; " + needed_warmup(ratios, plan.modes)
+        f"{ratios[(m, 0)]:.2f}x ({m})" for m in plan.modes) + " a settled step; " + needed_warmup(ratios, plan.modes)
 
 def first_steps_pay_for(cuda, compiled):
     """The line under the table: what the first steps of a model, and of the process, spend time on."""
@@ -618,11 +620,16 @@ def first_steps_pay_for(cuda, compiled):
                    "measured here); once a process: CUDA context, library handles, kernel loading (line above)")
 
 def needed_warmup(ratios, modes):
-    """The fewest warm-up steps after which step 1 is within 10% of the settled mean, in every mode."""
+    """From the table's step 1 / settled column, {(mode, warm-up steps): ratio}: the fewest warm-up steps after which
+    step 1 is within 10% of the settled mean (above or below: a step 1 at 0.5x is no settled step either) in every
+    mode, or that no row's is."""
     for warmup in WARMUPS:
-        if all(ratios[(mode, warmup)] <= 1.1 for mode in modes):
+        if all(abs(ratios[(mode, warmup)] - 1) <= 0.1 for mode in modes):
             return f"after {warmup} warm-up step(s) step 1 is within 10% of settled"
-    return f"even after {WARMUPS[-1]} warm-up steps step 1 is more than 10% above settled"
+    shown = ", ".join(f"{ratios[(mode, warmup)]:.2f}x" for mode in modes for warmup in WARMUPS)
+    counts = f"{', '.join(map(str, WARMUPS[:-1]))} or {WARMUPS[-1]}"
+    return (f"with {counts} warm-up steps, step 1 is never within 10% of settled in every mode (step 1 / settled, "
+            f"row by row: {shown})")
 
 
 # --- 5. the output layer's GEMMs alone: why vocab 50304 beats 50257
@@ -858,7 +865,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ladder", action="store_true", help="the GPT-2 speed ladder, every rung in the same rounds")
-    p.add_argument("--plot", help="with --ladder: draw ms per rung into this PNG (needs matplotlib)")
+    p.add_argument("--plot", type=plot_path, help="with --ladder: draw ms per rung into this figure (.png, .pdf, "
+                   ".svg, ...: the name's extension; needs matplotlib)")
     p.add_argument("--rungs", type=int_list(1, len(LADDER)), help=f"with --ladder: time only these rungs, by "
                    f"the table's numbers (1-{len(LADDER)}; a lever past the headline needs it, {HEADLINE_NUMBER})")
     p.add_argument("--nanogpt", metavar="PATH", help="time nanoGPT's model.py (a checkout of karpathy/nanoGPT) "
@@ -1016,8 +1024,7 @@ def main(argv=None):
     try:
         if args.trace:
             check_output_path(args.trace, "--trace", ours=starts_with(b"{"))
-        if args.plot:
-            check_output_path(args.plot, "--plot", ours=starts_with(b"\x89PNG\r\n\x1a\n"))
+        if args.plot:  # its path and format were checked with the flags (gpt.plot_path)
             plt = plot_to(args.plot)  # matplotlib, imported only for --plot
     except ValueError as e:
         fail(str(e))
@@ -1035,6 +1042,8 @@ def main(argv=None):
             summary = run_nanogpt(args.nanogpt, module, config, B, T, device, plan, rank, world)
             if rank == 0:
                 print("\n" + summary)
+            if world > 1:
+                torch.distributed.destroy_process_group()
             return
         if args.ladder:
             print("\n" + run_ladder(config, B, T, device, plan, args.plot, plt, args.rungs))

@@ -31,8 +31,8 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from gpt import (GPT, Timing, check_host_memory, clock, configure_optimizer, elapsed_ms, fail, float_in, free_memory,
-                 fully_shard_gpt, gib, int_in, int_list, is_oom, lazily, make_config, on_device, plot_to, print_table,
-                 round_up, run_main, set_tf32, step_bytes, summarize, synchronize, time_rounds, train_step)
+                 fully_shard_gpt, gib, int_in, int_list, is_oom, lazily, make_config, on_device, plot_path, plot_to,
+                 print_table, round_up, run_main, set_tf32, step_bytes, summarize, synchronize, time_rounds, train_step)
 
 # newer torch names the flat collectives *_single. gloo reduce-scatters by an all-reduce that keeps its slice (twice
 # the traffic, fine for a CPU smoke run); NCCL does the real thing. Both average inside.
@@ -617,11 +617,6 @@ def run_allreduce(device, backend, sizes, worlds, warmup, iters, plot, timeout):
     sizes = sizes or on_device(device, cpu=[0.1, 1, 10, 100], gpu=[1, 10, 100, 1024])
     warmup = on_device(device, cpu=2, gpu=5) if warmup is None else warmup
     iters = iters or on_device(device, cpu=10, gpu=20)
-    if plot:
-        try:
-            plot_to(plot)
-        except ValueError as e:
-            fail(str(e))
     for b, world in runs:  # gloo: the buffer, gloo's copies of it and the check, ~3x on every rank
         rank_bytes = 3 * 4 * float32_count(max(sizes)) if b == "gloo" else 0
         check_launch(world, b, rank_bytes, f"a {b} all-reduce of {size_label(max(sizes))}", "lower --sizes or --worlds")
@@ -1032,11 +1027,6 @@ def host_bytes(keys, config, batch, seq, gpu):
 
 def run_benchmark(setup, config, variants, world, backend, plot, timeout):
     gpu = backend == "nccl"
-    if plot:
-        try:
-            plot_to(plot)
-        except ValueError as e:
-            fail(str(e))
     rows = benchmark_rows(variants, gpu)
     with torch.device("meta"):
         weights = 4 * GPT(config).num_params()
@@ -1168,7 +1158,8 @@ def build_parser():
     ar.add_argument("--backend", choices=["gloo", "nccl", "both"], help="default: both with GPUs, else gloo")
     ar.add_argument("--warmup", type=int_in(0), help="untimed all-reduces per size first (default 5; 2 on CPU)")
     ar.add_argument("--iters", type=int_in(1), help="timed all-reduces per size and rank (default 20; 10 on CPU)")
-    ar.add_argument("--plot", help="save bus bandwidth against size, a line per backend and world, to this PNG")
+    ar.add_argument("--plot", type=plot_path, help="save bus bandwidth against size, a line per backend and world, to "
+                    "this figure (.png, .pdf, .svg, ...: the name's extension; needs matplotlib)")
     st = sub.add_parser("selftest", help="every wrapper against one process on the whole batch")
     st.add_argument("--steps", type=int_in(1), default=3, help="training steps compared")
     om = sub.add_parser("optimizer-memory", help="AdamW's state per rank, whole (DDP) or sharded (ZeRO-1)")
@@ -1177,7 +1168,8 @@ def build_parser():
     add_step_flags(bm)
     bm.add_argument("--variants", type=variant_list, default=",".join(v for v in VARIANTS if ":fp32" not in v),
                     help=f"comma-separated, from: {','.join(LABELS)}; key:bf16 sends (fsdp: computes with) bf16")
-    bm.add_argument("--plot", help="save the step split per variant to this PNG (needs matplotlib)")
+    bm.add_argument("--plot", type=plot_path, help="save the step split per variant to this figure (.png, .pdf, "
+                    ".svg, ...: the name's extension; needs matplotlib)")
     for p in (st, om, bm):
         p.add_argument("--world", type=int_in(1), default=2, help="ranks (default 2)")
         p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")

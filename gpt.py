@@ -15,6 +15,7 @@ import argparse
 import gc
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -1402,7 +1403,7 @@ def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progr
     names, times, peaks = list(variants), {}, {}
     for i, name in enumerate(names):
         times[name] = None
-        PROGRESS["doing"] = f"warming up variant {i + 1} of {len(names)} ({name})"
+        PROGRESS["timer"] = f"warming up variant {i + 1} of {len(names)} ({name})"
         try:
             if cuda:
                 synchronize(device)
@@ -1418,6 +1419,7 @@ def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progr
         if times[name] is None:
             free_memory()  # outside the except block, whose traceback still holds the tensors
     live = [n for n in names if times[n] is not None]
+    PROGRESS["timer"] = f"timing: 0 of {rounds} rounds done"
     for r in range(rounds):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
         marks = []
@@ -1432,9 +1434,10 @@ def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progr
             sync()
         for name, start, end in marks:
             times[name].append(elapsed_ms(start, end) / steps)
-        PROGRESS["doing"] = f"timing: {r + 1} of {rounds} rounds done"
+        PROGRESS["timer"] = f"timing: {r + 1} of {rounds} rounds done"
         if progress:
             progress(r)
+    PROGRESS["timer"] = ""  # done: what follows (a table, the next configuration) is no longer its rounds
     return times, peaks
 
 
@@ -1676,7 +1679,27 @@ def check_output_path(path, flag, ours=None):
                          "choose a file in a folder you can write to") from None
 
 
-PROGRESS = {"tables": 0, "doing": "starting"}  # what run_main reports if interrupted: tables printed, the timer's note
+# What run_main says if interrupted: tables printed so far (print_table counts them), the script's stage (a sweep's
+# "configuration 3 of 20") and the timer's round; the timer clears its note when done, so it never outlives its work.
+PROGRESS = {"tables": 0, "stage": "", "timer": ""}
+
+
+def interrupted_line(signal_name):
+    """run_main's last line on Ctrl-C or SIGTERM: what was under way and how many tables are whole, from PROGRESS."""
+    line = f"interrupted ({signal_name})"
+    under_way = [part for part in (PROGRESS["stage"], PROGRESS["timer"]) if part]
+    if under_way:
+        line += f" while {', '.join(under_way)}"
+    if PROGRESS["tables"] == 0:
+        return f"{line}: no table was complete yet"
+    return f"{line}: the {PROGRESS['tables']} table(s) above are complete, the rest did not finish"
+
+
+def reader_left():
+    """`python script.py | head`: the reader left; end quietly, as `cat` would (exit 141, no traceback)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would raise again
+    raise SystemExit(141) from None  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 
 
 def run_main(main):
@@ -1688,16 +1711,13 @@ def run_main(main):
     signal.signal(signal.SIGTERM, on_term)
     try:
         main()
-    except BrokenPipeError:  # `python script.py | head`: the reader left; end quietly, as `cat` would
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would raise again
-        raise SystemExit(141) from None  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
+    except BrokenPipeError:
+        reader_left()
     except KeyboardInterrupt as e:
         signum = signal.SIGINT
         if e.args:
             signum = e.args[0]
-        print(f"\ninterrupted ({signal.Signals(signum).name}) while {PROGRESS['doing']}: {PROGRESS['tables']} "
-              "table(s) above are complete, the rest did not run", file=sys.stderr)
+        print("\n" + interrupted_line(signal.Signals(signum).name), file=sys.stderr)
         raise SystemExit(128 + signum) from None
 
 
@@ -1759,8 +1779,35 @@ def print_table(headers, rows):
     PROGRESS["tables"] += 1
 
 
+def plot_path(text):
+    """type=plot_path: a --plot file that can be written and whose extension names a format matplotlib writes, checked
+    as the flags are read: a figure drawn last must not fail after the run (savefig reads the format from the name)."""
+    try:
+        check_output_path(text, "--plot")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--plot ")) from None  # argparse names the flag itself
+    try:
+        from matplotlib import rcParams
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ModuleNotFoundError:
+        raise argparse.ArgumentTypeError("needs matplotlib (pip install matplotlib)") from None
+    extension = os.path.splitext(text)[1].removeprefix(".").lower()  # savefig lower-cases it too
+    formats = set(FigureCanvasBase.get_supported_filetypes())  # this matplotlib's own list: png, pdf, svg, ...
+    tex = rcParams["pgf.texsystem"]
+    if shutil.which(tex) is None:  # matplotlib lays out a .pgf's text by running LaTeX
+        formats.discard("pgf")
+    if not extension:  # savefig would add .png and write a file other than the one named
+        raise argparse.ArgumentTypeError(f"{text} has no extension; name the format, e.g. {text}.png")
+    if extension == "pgf" and "pgf" not in formats:
+        raise argparse.ArgumentTypeError(f"a .pgf figure needs {tex} (LaTeX), which is not installed; use .pdf or .svg")
+    if extension not in formats:
+        raise argparse.ArgumentTypeError(f"matplotlib cannot write .{extension} files; use one of "
+                                         f"{', '.join(sorted(formats))}")
+    return text
+
+
 def plot_to(path):
-    """pyplot for a --plot PNG, after checking the path: matplotlib is imported only then."""
+    """pyplot for a --plot figure, after checking the path: matplotlib is imported only then."""
     try:
         import matplotlib
         matplotlib.use("Agg")

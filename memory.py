@@ -9,7 +9,7 @@ max_memory_allocated on a GPU; `checkpoint` trades activations for recomputation
     python memory.py account --model gpt2 --seq 1024 --batch 16 --bf16 [--compile]   # predicted vs measured
     python memory.py account --sweep --batch 8 [--model xl] [--unfused]   # gpt2..xl x 128..1024 x fp32/bf16
     python memory.py account --model 2.7B --batch 16 --seq 1024 --bf16 --vocab 50304 --fsdp --compile
-    python memory.py checkpoint --model xl --batch 4 --seq 2048 --bf16   # flat and nested groups of each size
+    python memory.py checkpoint --model xl --batch 4 --seq 2048 --bf16 [--full]   # each at its best [every size]
     python memory.py parallel --bf16 [--devices 64 --tp 4 | --model xl --tp 5 --devices 10]   # pure arithmetic
     python memory.py parallel --bf16 --tflops 990     # + the handout's FFN layer: compute against communication
     python memory.py snapshot --seq 2048 --batch 2 --bf16 --phase both --out snap.pickle    # for memory_viz"""
@@ -609,6 +609,7 @@ def part_account(device, runs, B, overrides, compiled, sweep):
 # --- 4. checkpoint: groups of blocks recomputed, flat or nested, and the group size that needs the least memory
 
 SCHEMES = ("flat", "nested")
+WARMUP_STEPS = 2  # untimed steps per variant before its timed rounds; a GPU's peak is read over them
 
 
 def checkpointed_blocks(blocks, group, nested=False):
@@ -658,7 +659,7 @@ def measure_checkpointing(model, opt, x, y, dtype, device, variants, rounds):
     count, as in the prediction), live tensors in more steps on a CPU."""
     cuda = device.type == "cuda"
     steps = {label(*v): partial(step, model, opt, x, y, dtype, forward=checkpointed(model, *v)) for v in variants}
-    timings = compare(steps, device, baseline="none", rounds=rounds, steps=1, warmup=2,
+    timings = compare(steps, device, baseline="none", rounds=rounds, steps=1, warmup=WARMUP_STEPS,
                       progress=partial(print_round, rounds=rounds))
     measured = {}
     for v in variants:
@@ -678,24 +679,42 @@ def best_of(measured):  # the lowest measured peak; within 1% of it, the fastest
     return min((v for v, (_, peak) in fit.items() if peak <= 1.01 * low), key=lambda v: fit[v][0].median)
 
 
-def part_checkpoint(device, cfg, B, T, dtype, rounds, sizes):
+def full_sizes(best, L):  # --full: near each scheme's best, and 1 and sqrt(L)
+    near = {best[s] + i for s in SCHEMES for i in (-1, 0, 1)}
+    return sorted(({1, round(math.sqrt(L))} | near) & set(range(1, L + 1)))
+
+
+def checkpoint_variants(best, L, sizes, full):
+    """none first; then both schemes at each of `sizes` (--groups), or at full_sizes (--full); by default only each
+    scheme at its own predicted best: the comparison this part is about, in the fewest steps."""
+    if full:
+        sizes = full_sizes(best, L)
+    if sizes:
+        return [("none", 0)] + [(scheme, g) for scheme in SCHEMES for g in sizes]
+    return [("none", 0)] + [(scheme, best[scheme]) for scheme in SCHEMES]
+
+
+def part_checkpoint(device, cfg, B, T, dtype, rounds, sizes, full=False):
     """Predicted and measured peak and step time of no checkpointing, then flat and nested groups of each size."""
     cuda, L = device.type == "cuda", cfg.n_layer
     pred = predictions(cfg, B, T, dtype, device.type)
     best = {scheme: min(range(1, L + 1), key=lambda g: (most_saved(pred[scheme, g]), pred[scheme, g]["peak"]))
             for scheme in SCHEMES}  # least saved activations, then the lowest peak
-    sizes = sizes or sorted(({1, round(math.sqrt(L))} | {best[s] + i for s in SCHEMES for i in (-1, 0, 1)})
-                            & set(range(1, L + 1)))  # near each scheme's best, and sqrt(L)
-    variants = [("none", 0)] + [(scheme, g) for scheme in SCHEMES for g in sizes]
+    variants = checkpoint_variants(best, L, sizes, full)
+    measuring = f"g in {sorted({g for _, g in variants[1:]})}"
+    if not (sizes or full):
+        measuring = f"each at that g (--full: g in {full_sizes(best, L)})"
     print(f"{L} layers (d={cfg.n_embd}), B={B}, T={T}, {'bf16' if dtype else 'fp32'}: least activations predicted "
           f"for flat g={best['flat']} ({mib(most_saved(pred['flat', best['flat']]))} MiB), nested g={best['nested']} "
-          f"({mib(most_saved(pred['nested', best['nested']]))} MiB); sqrt(L) = {math.sqrt(L):.1f}; measuring g in "
-          f"{sizes}")
-    shorter = f"fewer sizes (--groups {best['nested']})"
-    if rounds > 1:
-        shorter += f" or fewer rounds (--rounds {rounds // 2})"
-    print(f"checkpoint: timing {len(variants)} variants x {rounds} rounds of one step each (after 2 warm-up steps "
-          f"each); for a shorter run give {shorter}")
+          f"({mib(most_saved(pred['nested', best['nested']]))} MiB); sqrt(L) = {math.sqrt(L):.1f}; measuring "
+          f"{measuring}")
+    # the size of the work, said before it starts: at xl, T=2048 in fp32 one step takes seconds on an H200
+    steps = len(variants) * (WARMUP_STEPS + rounds)
+    shorter = ""
+    if full:
+        shorter = "; for a shorter run drop --full: none and each scheme at its best g, 3 rounds on a GPU"
+    print(f"checkpoint: timing {len(variants)} variants x {rounds} rounds at {L} layers: {steps} train steps of B={B}, "
+          f"T={T} ({WARMUP_STEPS} warm-up steps per variant first, then one per round){shorter}")
     if cuda:
         warm_up_libraries(device, dtype)
     try:
@@ -1128,8 +1147,13 @@ def parse(argv):
     p.add_argument("--world", type=int_in(2), help="account --fsdp/--ddp: ranks (default 2)")
     p.add_argument("--device", help="account, checkpoint, snapshot: cpu, cuda, cuda:1 (default cuda if present)")
     p.add_argument("--sweep", action="store_true", help="account: gpt2..xl x T=128..1024, fp32 and bf16 (CUDA)")
-    p.add_argument("--rounds", type=int_in(1), help="checkpoint: interleaved timing rounds (default 5; 2 on a CPU)")
-    p.add_argument("--groups", type=int_list(1), help="checkpoint: group sizes, e.g. 4,7 (default: near the best)")
+    p.add_argument("--rounds", type=int_in(1), help="checkpoint: interleaved timing rounds (default 3, --full 5; 2 "
+                   "on a CPU)")
+    p.add_argument("--groups", type=int_list(1), help="checkpoint: group sizes, both schemes at each, e.g. 4,7 "
+                   "(default: each scheme at its predicted best)")
+    p.add_argument("--full", action="store_true", help="checkpoint: the full sweep, both schemes at 1, sqrt(L) and "
+                   "each one's best -1, +0, +1, 5 rounds on a GPU (the GPU default, xl B=4 T=2048 fp32: 13 "
+                   "variants x 5 rounds, minutes)")
     p.add_argument("--phase", choices=("forward", "step", "both"),
                    help="snapshot: an inference forward (no grad), a training step, or both (default)")
     p.add_argument("--top", type=int_in(1), help="snapshot: largest allocations listed per phase (default 5)")
@@ -1158,7 +1182,7 @@ READ_BY = {"unfused": (("account", "snapshot"), "account and snapshot"),
            "recompute": (("account", "snapshot"), "account and snapshot"),
            **dict.fromkeys(("fsdp", "ddp", "compile", "sweep"), (("account",), "account")),
            "world": (("account",), "account --fsdp or --ddp (parallel counts its ranks with --devices)"),
-           **dict.fromkeys(("rounds", "groups"), (("checkpoint",), "checkpoint")),
+           **dict.fromkeys(("rounds", "groups", "full"), (("checkpoint",), "checkpoint")),
            **dict.fromkeys(("phase", "top", "out"), (("snapshot",), "snapshot")),
            "device": (("account", "checkpoint", "snapshot"),
                       "account, checkpoint and snapshot (parallel is pure arithmetic)"),
@@ -1190,6 +1214,7 @@ def checks(args, cuda, cfg, devices, tp):
             (not (args.fsdp and args.ddp), "--fsdp and --ddp exclude each other"),
             (not (args.compile and args.unfused), "--compile models the fused loss (compile rewrites the plain one)"),
             (cuda or rank or not args.compile, "--compile is measured on a CUDA GPU (predicted with --fsdp/--ddp)"),
+            (not (args.full and args.groups), "--full picks the group sizes itself; drop --groups or --full"),
             (not args.groups or max(args.groups) <= cfg.n_layer,
              f"--groups {max(args.groups or [0])} is larger than the model's {cfg.n_layer} layers"),
             (args.out is None or args.out.endswith(".pickle"), f"--out {args.out} must name a .pickle file"),
@@ -1210,9 +1235,9 @@ def parallel_values(devices, tp, bandwidth_gbs, latency_us, device_gb):
     return values
 
 
-def announce_cpu(part, model, B, T):  # measured here: account and checkpoint 7-9 s of wall time, 2 shared cores
+def announce_cpu(part, model, B, T, full):  # measured here: account and checkpoint 7-9 s of wall time, 2 shared cores
     sizes = f"model {model}, batch {B}, seq {T}"
-    if (model, B, T) == DEFAULTS[part][0]:
+    if (model, B, T) == DEFAULTS[part][0] and not full:  # checkpoint --full times more variants
         print(f"no CUDA: {part} counts live tensors on the CPU at its CPU default, {sizes}: about 10 s on 2 cores")
     else:
         print(f"no CUDA: {part} counts live tensors on the CPU for {sizes}; the time grows with each (every op is "
@@ -1259,7 +1284,7 @@ def main(argv=None):
         print(f"--seq {T} is longer than {model}'s {preset}-token context: its learned position table (wpe) is "
               f"extended to {T} rows, randomly initialised like every weight here (memory and time are measured)")
     if not cuda and not (args.fsdp or args.ddp):  # (snapshot refused the CPU above)
-        announce_cpu(args.part, model, B, T)
+        announce_cpu(args.part, model, B, T, args.full)
     if args.part == "account" and (args.fsdp or args.ddp):
         predict_rank(cfg, B, T, dtype, args.world or 2, args.fsdp, args.compile)
     elif args.part == "account":
@@ -1269,8 +1294,11 @@ def main(argv=None):
                     for t in ([args.seq] if args.seq else SWEEP_SEQS) for dt in (None, torch.bfloat16)]
         part_account(device, runs, B, overrides, args.compile, args.sweep)
     elif args.part == "checkpoint":
-        rounds, groups = args.rounds or on_device(device, cpu=2, gpu=5), args.groups or on_device(device, [1, 2], None)
-        part_checkpoint(device, cfg, B, T, dtype, rounds, groups)
+        gpu_rounds, groups = 3, args.groups or on_device(device, [1, 2], None)  # CPU: tiny's 4 layers, g 1 and 2
+        if args.full:
+            gpu_rounds, groups = 5, None
+        rounds = args.rounds or on_device(device, cpu=2, gpu=gpu_rounds)
+        part_checkpoint(device, cfg, B, T, dtype, rounds, groups, args.full)
     else:
         part_snapshot(device, cfg, B, T, dtype, args.phase or "both", out, args.top or 5)
 

@@ -17,6 +17,7 @@ Contents, in the README's script order:
   the runner: main()
 """
 
+import argparse
 import contextlib
 import functools
 import importlib.util
@@ -63,6 +64,17 @@ def gpu(test):
         return test
     import pytest
     return pytest.mark.skip(reason="needs CUDA")(test)
+
+class Skipped(Exception):
+    """Raised by skip(): the runner in main() counts the test as skipped and prints the reason."""
+
+
+def skip(reason):
+    """A test that cannot run where it was started says why in one line and is skipped (under pytest: a skip)."""
+    if "pytest" in sys.modules:
+        import pytest
+        pytest.skip(reason)
+    raise Skipped(reason)
 
 def env(**extra):  # unbuffered: a child's lines arrive as it prints them
     return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
@@ -113,6 +125,21 @@ def check_bad_inputs(script, cases):
         if code != 2 or not lines or says.lower() not in lines[-1].lower():
             failures.append(f"{script} {args}: exit {code}, stderr {err.strip()[-300:]!r}, expected '{says}'")
     assert not failures, "\n".join(failures)
+
+def plot_refusal():  # the last line of --plot notes.txt: matplotlib writes no .txt (or, missing, that it is needed)
+    if importlib.util.find_spec("matplotlib"):
+        return "argument --plot: matplotlib cannot write .txt files"
+    return "argument --plot: needs matplotlib"
+
+def refused_before_work(script, cases):
+    """check_bad_inputs, and nothing printed before the refusal: no stdout (a table row), on stderr only argparse's
+    usage (no progress line)."""
+    check_bad_inputs(script, cases)
+    for args, _ in cases:
+        args = shlex.split(args) if isinstance(args, str) else args
+        code, out, err = call_main(script, *args)
+        before = err.strip().splitlines()[:-1]
+        assert not out and all(line.startswith(("usage:", " ")) for line in before), (script, args, out, err)
 
 def rel_err(got, ref):
     return ((got - ref).norm() / ref.norm()).item()
@@ -554,6 +581,72 @@ def test_missing_files_and_unwritable_paths_say_what():
     assert_raises("choose a file in a folder you can write to", gpt.check_output_path, "/proc/x.png", "--plot")
 
 
+def test_plot_path_checks_the_format_with_the_flags():
+    """type=gpt.plot_path: a --plot name whose extension matplotlib cannot write (notes.txt), or that has none (savefig
+    would add .png), is refused as the flags are read, as is a .pgf without the LaTeX matplotlib runs for it."""
+    def refusal(text):
+        try:
+            gpt.plot_path(text)
+        except argparse.ArgumentTypeError as e:
+            return str(e)
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        if importlib.util.find_spec("matplotlib") is None:
+            assert "needs matplotlib" in refusal(f"{tmp}/a.png")
+            return
+        for name in ("a.png", "a.PDF", "a.svg", "a.jpeg"):
+            assert refusal(f"{tmp}/{name}") is None, name
+        assert refusal(f"{tmp}/notes.txt").startswith("matplotlib cannot write .txt files; use one of "), tmp
+        assert "png" in refusal(f"{tmp}/notes.txt").split("use one of ")[1]
+        assert refusal(f"{tmp}/ladder") == f"{tmp}/ladder has no extension; name the format, e.g. {tmp}/ladder.png"
+        assert refusal(f"{tmp}/missing/a.png").endswith("does not exist") and "is a directory" in refusal(tmp)
+        with unittest.mock.patch.object(shutil, "which", return_value=None):
+            assert "needs xelatex (LaTeX)" in refusal(f"{tmp}/a.pgf") and "pgf" not in refusal(f"{tmp}/notes.txt")
+        with unittest.mock.patch.object(shutil, "which", return_value="/usr/bin/xelatex"):
+            assert refusal(f"{tmp}/a.pgf") is None
+        assert os.listdir(tmp) == []  # nothing written: the checks leave no file behind
+
+
+def no_work():  # a variant for the timer that does nothing
+    return None
+
+def interrupted(work):  # gpt.run_main(work), work ending in KeyboardInterrupt: (exit status, the last stderr line)
+    err, code, on_term = io.StringIO(), None, signal.getsignal(signal.SIGTERM)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            gpt.run_main(work)
+    except SystemExit as e:
+        code = e.code
+    finally:
+        signal.signal(signal.SIGTERM, on_term)  # run_main installs its own; this process keeps the runner's
+    return code, err.getvalue().strip().splitlines()[-1]
+
+def test_interrupt_line_counts_the_tables_and_rounds_printed():
+    """Ctrl-C's last line names the stage and the timer's round under way and counts the tables printed; a finished
+    timer's rounds are not said (the line once read "3 of 3 rounds done: 0 table(s) above are complete")."""
+    def stop_after_round(n):
+        def progress(r):
+            if r + 1 == n:
+                raise KeyboardInterrupt
+        return progress
+
+    def in_round_three():  # a table printed, then the timer of a sweep's second configuration
+        gpt.print_table(["a"], [[1]])
+        gpt.PROGRESS["stage"] = "configuration 2 of 4"
+        gpt.time_rounds({"a": no_work}, "cpu", rounds=3, steps=1, warmup=1, progress=stop_after_round(2))
+
+    def after_the_timer():
+        gpt.time_rounds({"a": no_work}, "cpu", rounds=3, steps=1, warmup=1)
+        raise KeyboardInterrupt(signal.SIGTERM)
+    with unittest.mock.patch.dict(gpt.PROGRESS, {"tables": 0, "stage": "", "timer": ""}):
+        code, line = interrupted(in_round_three)
+        assert code == 130 and line == ("interrupted (SIGINT) while configuration 2 of 4, timing: 2 of 3 rounds done: "
+                                        "the 1 table(s) above are complete, the rest did not finish"), line
+    with unittest.mock.patch.dict(gpt.PROGRESS, {"tables": 0, "stage": "", "timer": ""}):
+        code, line = interrupted(after_the_timer)
+        assert code == 143 and line == "interrupted (SIGTERM): no table was complete yet", line
+
+
 def test_output_into_head_ends_quietly():
     """`script | head`: when the reader leaves, run_main ends without a BrokenPipeError traceback."""
     code = "import gpt\ndef main():\n    for i in range(200000):\n        print('row', i)\ngpt.run_main(main)"
@@ -685,10 +778,13 @@ def test_train_master_weights_resume_exactly_and_share_checkpoints():
 
 def test_every_script_stops_cleanly_on_signals():
     """SIGINT or SIGTERM mid-run: exit 130 / 143, a last line that says so, no traceback; ddp.py's ranks end too."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # inherited: Python then installs no Ctrl-C handler
+        skip("SIGINT is ignored where the tests run (as in a background job started by a script), and the scripts "
+             "started from here inherit that, so Ctrl-C cannot be tested")
     cpu = ["--device", "cpu"]
     for script, args, after, signum in [
             ("bench_e2e.py", [*cpu, "--ladder", "--batch", 1, "--seq", 16, "--rounds", 10**6], "round", signal.SIGINT),
-            ("bench_attention.py", [*cpu, "--rounds", 10**6], "fp32 matmuls", signal.SIGTERM),
+            ("bench_attention.py", [*cpu, "--rounds", 10**6], "configurations: ", signal.SIGTERM),  # then the sweep
             ("precision.py", cpu, "== 1.", signal.SIGINT),
             ("memory.py", ["checkpoint", *cpu, "--rounds", 10**6], "round", signal.SIGTERM),
             ("ddp.py", ["selftest", "--backend", "gloo", "--steps", 10**6], "selftest:", signal.SIGTERM)]:
@@ -705,6 +801,8 @@ def test_every_script_stops_cleanly_on_signals():
         stopped = proc.returncode == 128 + signum and last.startswith("interrupted (") and "Traceback" not in out
         assert head and stopped, (script, proc.returncode, out[-2000:])
         assert script != "ddp.py" or (ranks and not any(map(running, ranks))), ranks
+        said = "while configuration 1 of 4 (D=16 S=64)" in last and last.endswith("no table was complete yet")
+        assert script != "bench_attention.py" or said, last  # the stage and the tables, as printed
 
 def running(pid):  # whether pid exists and has not ended (an ended one nobody reaped is a zombie, state Z)
     try:
@@ -921,6 +1019,21 @@ def test_bench_attention_bad_input():
         ("--impl flash --baseline naive", "--baseline naive"), ("--memory-fraction 1.5", "memory-fraction"),
         ("--memory-fraction 0.5 --device cpu", "needs a CUDA device"), ("--plot /nonexistent/a.png", "--plot"),
         ("--device cpu --batch 10000000", "of this machine's memory")])
+    with tempfile.TemporaryDirectory() as tmp:  # said as the flags are read: no configuration runs first
+        refused_before_work("bench_attention.py", [
+            (f"--device cpu --plot {tmp}/notes.txt", plot_refusal()), (f"--device cpu --plot {tmp}/a", "no extension"),
+            ("--full --device cpu", "--full is the course's GPU sweep"),
+            ("--full --d 64", "--full sets --d and --seq")])
+        assert os.listdir(tmp) == []
+
+def test_bench_attention_gpu_default_is_short_full_is_the_course():
+    """On a GPU the default sweep is 3 configurations (a minute, not the course's minutes); --full is all 20 of the
+    course's, said to take minutes before it starts."""
+    cuda = torch.device("cuda")  # sweep_from and sweep_plan read only its type: no GPU needed
+    default, full = (ba.sweep_from(ba.parse_args(flags), cuda) for flags in ([], ["--full"]))
+    assert (default.d, default.seq) == ([64], [1024, 4096, 16384]), default
+    assert (full.d, full.seq) == ([16, 32, 64, 128], [256, 1024, 4096, 8192, 16384]), full
+    assert "takes minutes" in ba.sweep_plan(full, 7, cuda) and "minutes" not in ba.sweep_plan(default, 7, cuda)
 
 @gpu
 def test_bench_attention_oom_row_then_next_runs():
@@ -1157,6 +1270,10 @@ def test_bench_e2e_bad_input():
         ("--warmup-table --profile", "--warmup-table times one --model"),
         ("--device cpu --batch 100000", "of this machine's memory"),  # refused, not killed by the OOM killer
     ])
+    ladder = ["--ladder", "--device", "cpu", "--batch", 1, "--seq", 16]
+    refused_before_work("bench_e2e.py", [([*ladder, "--plot", j(d, "notes.txt")], plot_refusal()),
+                                         ([*ladder, "--plot", j(d, "ladder")], "no extension")])
+    assert os.listdir(d) == []  # as the flags are read: no rung ran, no file written
 
 def test_bench_e2e_warmup_table_cpu():
     """Rows for 0, 1 and 2 warm-up steps, each with steps 1-3 and the settled mean ± std; the untimed steps run
@@ -1168,6 +1285,12 @@ def test_bench_e2e_warmup_table_cpu():
     assert all(float(v) > 0 for r in rows for v in r[2:6]), rows
     assert "process start-up" in out and "the first steps pay for:" in out, out
     assert out.strip().splitlines()[-1].startswith("warm-up table: step 1 without warm-up takes"), out
+    ratios, last = [r[-1] for r in rows], out.strip().splitlines()[-1]  # step 1 / settled as printed, the summary
+    settled_after = re.search(r"after (\d) warm-up step", last)
+    if settled_after:  # the row it names is within 10% (printed to 2 decimals)
+        assert abs(float(ratios[int(settled_after.group(1))].rstrip("x")) - 1) <= 0.105, (ratios, last)
+    else:
+        assert last.endswith(f"row by row: {', '.join(ratios)})"), (ratios, last)
     calls, cpu = [], torch.device("cpu")
     def counted(mode, bench, x, y):
         calls.append(mode)
@@ -1176,6 +1299,18 @@ def test_bench_e2e_warmup_table_cpu():
         x, y = bench_e2e.batch_of(1, 8, cpu)
         head, rest = bench_e2e.warmup_row(gpt.make_config("tiny"), s, "train", 2, 4, x, y, cpu)
     assert len(head) == bench_e2e.FIRST_STEPS and len(rest) == 4 and calls == ["train"] * (2 + 3 + 4), calls
+
+def test_bench_e2e_warmup_summary_reads_the_rows():
+    """The summary says what the table's step 1 / settled column shows: within 10% is 0.9x to 1.1x, so the rows
+    0.5x, 0.2x, 0.8x (a CPU's) settle after no number of warm-up steps, and it says so."""
+    said = bench_e2e.needed_warmup
+    noisy = {("train", 0): 0.5, ("train", 1): 0.2, ("train", 2): 0.8}
+    assert said(noisy, ["train"]) == ("with 0, 1 or 2 warm-up steps, step 1 is never within 10% of settled in every "
+                                      "mode (step 1 / settled, row by row: 0.50x, 0.20x, 0.80x)")
+    assert said({("train", 0): 3.0, ("train", 1): 1.05, ("train", 2): 0.97}, ["train"]).startswith("after 1 warm-up")
+    two = {("forward", 0): 0.95, ("forward", 1): 1.0, ("forward", 2): 1.0, ("train", 0): 2.0, ("train", 1): 1.3,
+           ("train", 2): 1.08}
+    assert said(two, ["forward", "train"]).startswith("after 2 warm-up step(s)"), said(two, ["forward", "train"])
 
 NANOGPT_STAND_IN = """
 import dataclasses, gpt
@@ -1211,6 +1346,12 @@ def test_bench_e2e_nanogpt_cpu():
             (["--nanogpt", other], "it defines no GPT"),
             (["--nanogpt", HERE, "--ladder"], "--nanogpt compares one"),
             (["--nanogpt", HERE, "--warmup", "0"], "--warmup 1 or more"),
+        ])
+        broken = os.path.join(tmp, "broken.py")
+        open(broken, "w").write("import no_such_module\n")
+        refused_before_work("bench_e2e.py", [
+            (["--nanogpt", os.path.join(HERE, "input.txt")], "input.txt is not a Python file"),
+            (["--nanogpt", broken], "not nanoGPT's model.py (ModuleNotFoundError: No module named 'no_such_module')"),
         ])
 
 def lever_curves(device, levers, steps=200, seeds=(0, 1, 2), B=4, T=64):
@@ -1397,6 +1538,15 @@ def test_memory_nested_checkpointing_matches_and_lowers_peak():
     predicted = memory.account(cfg, 2, 128, None, "cpu", groups=2, nested=True)["peak"]
     assert abs(predicted / peaks["nested"] - 1) < 1e-4, (predicted, peaks)  # as close as the exactness test asks
 
+def test_memory_checkpoint_default_each_scheme_at_its_best_full_sweeps():
+    """checkpoint times none and each scheme at its predicted best by default (xl: 3 variants, not 13); --full both
+    schemes at 1, sqrt(L) and each best -1..+1 (the course's sweep); --groups both schemes at the sizes given."""
+    best, L = {"flat": 2, "nested": 7}, 48  # xl, B=4, T=2048, fp32: account's least activations
+    assert memory.checkpoint_variants(best, L, None, False) == [("none", 0), ("flat", 2), ("nested", 7)]
+    full = memory.checkpoint_variants(best, L, None, True)
+    assert len(full) == 13 and [g for s, g in full if s == "nested"] == [1, 2, 3, 6, 7, 8], full
+    assert memory.checkpoint_variants(best, L, [4], False) == [("none", 0), ("flat", 4), ("nested", 4)]
+
 def test_memory_snapshot_summary_from_a_synthetic_trace():
     """Each phase's peak above the level where recording began, its largest allocations and the line that made them."""
     def alloc(addr, size, line=0):  # a frame inside torch, then gpt.py's line; none: autograd's C++ thread
@@ -1501,6 +1651,8 @@ def test_memory_bad_input():
             ("checkpoint --rounds 0", "--rounds"),
             ("checkpoint --groups 0", "--groups"),
             ("checkpoint --device cpu --groups 2,5", "larger than"),
+            ("checkpoint --full --groups 2", "--full picks the group sizes itself"),
+            ("account --full", "--full is read by checkpoint"),
             ("account --groups 2", "is read by checkpoint, not by account"),
             ("parallel --fsdp", "is read by account, not by parallel"),
             ("parallel --world 4", "--devices"),
@@ -1726,6 +1878,7 @@ def test_ddp_bad_inputs():
             ("allreduce --warmup -1", "argument --warmup: must be at least 0"),
             ("allreduce --backend gloo --sizes 100000", "of this machine's memory"),
             (f"allreduce --backend gloo --plot {tmp}", "is a directory"),
+            (f"allreduce --backend gloo --plot {tmp}/ddp", "no extension"),
             ("optimizer-memory --world 0", "argument --world: must be at least 1"),
             ("optimizer-memory --model banana", "unknown model"),
             ("optimizer-memory --backend gloo --batch 100000", "of this machine's memory"),
@@ -1736,6 +1889,9 @@ def test_ddp_bad_inputs():
             ("allreduce --backend nccl", "--backend nccl needs CUDA"),
             ("allreduce --backend both", "--backend both needs CUDA"),
         ]))
+        refused_before_work("ddp.py", [(f"allreduce --backend gloo --plot {tmp}/notes.txt", plot_refusal()),
+                                       (f"benchmark --backend gloo --plot {tmp}/notes.txt", plot_refusal())])
+        assert os.listdir(tmp) == []  # as the flags are read: no rank started, no file written
 
 @gpu
 def test_ddp_gpu_selftest_and_benchmark():
@@ -2195,6 +2351,28 @@ def test_code_style_no_folding_no_long_lines():
     assert not bad, "\n".join(bad[:40])
 
 
+def test_runner_into_a_closed_pipe_ends_quietly():
+    """`python test_all.py --help | head`: the reader has left before the list is written; exit 141 and no
+    BrokenPipeError on stderr (Python's flush at exit would print one, as an exception ignored)."""
+    proc = subprocess.Popen([sys.executable, "test_all.py", "--help"], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, (proc.returncode, err)
+
+
+def test_signal_test_skipped_with_its_reason_where_sigint_is_ignored():
+    """Started with SIGINT ignored (a background job of a script, here `trap '' INT`), the signal test says why it
+    cannot run in one line and counts as skipped, at once, instead of waiting for scripts that ignore Ctrl-C."""
+    name = "test_every_script_stops_cleanly_on_signals"
+    p = subprocess.run(["sh", "-c", 'trap "" INT; exec "$0" test_all.py "$1"', sys.executable, name], cwd=HERE,
+                       env=env(), capture_output=True, text=True, timeout=300)
+    lines = p.stdout.strip().splitlines()
+    assert p.returncode == 0 and lines[-1] == "0 passed, 0 failed", p.stdout + p.stderr
+    assert "1 test(s) skipped" in lines[-2], lines
+    assert f"SKIP {name}: SIGINT is ignored where the tests run" in p.stdout and "Traceback" not in p.stdout, p.stdout
+
+
 def run_isolated(name, environment):
     """A CUDA test in its own process: a crash, memory cap or poisoned CUDA context stays there; several run at once.
     Its environment is taken before the tests start: a test here may patch os.environ (torchrun's RANK, say) while
@@ -2218,8 +2396,8 @@ def main(argv=None):
     if "-h" in argv or "--help" in argv:
         print("usage: python test_all.py [--gpu-only] [SUBSTRING ...]\n\nRuns every test whose name contains "
               "one of the substrings (all tests without any); --gpu-only keeps the CUDA ones. Tests:")
-        print("\n".join(f"  {n}{'  (CUDA)' if n in cuda else ''}" for n, _ in tests))
-        return
+        print("\n".join(f"  {n}{'  (CUDA)' if n in cuda else ''}" for n, _ in tests), flush=True)  # a closed pipe
+        return  # raises here, inside main(), not in Python's flush at exit
     gpu_only, only = "--gpu-only" in argv, [a for a in argv if a != "--gpu-only"]
     tests = [(n, f) for n, f in tests if (not only or any(s in n for s in only)) and (not gpu_only or n in cuda)]
     unknown = [a for a in only if a.startswith("-")]
@@ -2230,7 +2408,7 @@ def main(argv=None):
         print(f"error: no test matches {' '.join(only) or '--gpu-only'}; python test_all.py --help lists them",
               file=sys.stderr)
         sys.exit(2)
-    passed = failed = skipped = 0
+    passed = failed = skipped = cannot_run = 0
     start_all, on_gpu = time.time(), [n for n, _ in tests if n in cuda] if HAS_CUDA else []
     if on_gpu:  # four processes at once: each with every core's worth of spinning threads would take turns for minutes
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 4) // 4))
@@ -2248,6 +2426,9 @@ def main(argv=None):
                 test()
             passed += 1
             print(f"PASS {name} ({time.time() - start:.1f}s)", flush=True)
+        except Skipped as e:  # cannot run here: neither passed nor failed
+            cannot_run += 1
+            print(f"SKIP {name}: {e}", flush=True)
         except Exception:
             failed += 1
             printed = output.getvalue()[-3000:]
@@ -2258,8 +2439,13 @@ def main(argv=None):
         report = "" if ok else "\n" + output[-6000:]
         print(f"{'PASS' if ok else 'FAIL'} {name} ({seconds:.1f}s, own process){report}", flush=True)
     skips = f"; {skipped} CUDA tests skipped" if skipped else ""
-    print(f"({time.time() - start_all:.0f} s{skips})\n{passed} passed, {failed} failed")
+    if cannot_run:
+        skips += f"; {cannot_run} test(s) skipped that cannot run here (SKIP above)"
+    print(f"({time.time() - start_all:.0f} s{skips})\n{passed} passed, {failed} failed", flush=True)
     sys.exit(1 if failed else 0)
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BrokenPipeError:  # `python test_all.py --help | head`: the reader left; end quietly, as the scripts do
+        gpt.reader_left()
