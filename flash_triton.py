@@ -1,25 +1,18 @@
 """FlashAttention-2, forward and backward, in Triton: the kernel lesson of nanoperf.
 
-Attention never needs the (S, S) score matrix in memory: each program keeps a tile of queries on
-chip, streams key/value tiles past it with an online softmax (a running max and sum), and writes O
-and the row logsumexp L once. The backward recomputes P from Q, K and L, with one kernel owning dQ
-per query tile and one owning dK/dV per key tile: no atomics, bitwise deterministic gradients.
-On Hopper (with triton 3.6) long sequences run as Gluon kernels instead (2b): the same math with
-each matmul's issue and wait written out, so the softmax's exp2 (and the backward's dS) run under them,
-a forward whose warps specialize (one partition loads, two compute), and at head dim 64 (at 128 from
-16,384 tokens) a one-pass backward whose dQ tiles the copy engine adds into an fp32 dQ (FlashAttention-3's
-way; not bitwise deterministic, so torch.use_deterministic_algorithms(True) keeps the two passes).
-This file imports nothing from the repository: copy it and it runs.
+Attention never needs the (S, S) score matrix in memory: each program keeps a tile of queries on chip, streams
+key/value tiles past it with an online softmax (a running max and sum) and writes O and the row logsumexp L once;
+the backward recomputes P from Q, K and L, one kernel owning dQ per query tile, one dK/dV per key tile (no atomics).
+Sections 1-4 are that lesson: the kernels, FlashAttention.apply(q, k, v, is_causal) launching them, the same loop in
+PyTorch. Sections 5-6 are the fast path the model calls: on Hopper (triton 3.6), Gluon kernels in FlashAttention-3's
+way (matmuls overlapped, a warp-specialized forward, a one-pass backward), and a plan kept per layout. The file
+imports nothing from the repository: copy it and it runs.
 
-    python flash_triton.py                 # the benchmark (on a CPU: the kernels vs the reference, --shapes too)
+    python flash_triton.py                 # the benchmark (on a CPU: the kernels against the reference)
     python flash_triton.py --shapes 8x16x2048x64 --plot flash.png
     python flash_triton.py --grid --plot grid.png   # the course's grid: ours, plain PyTorch, SDPA
     python flash_triton.py --tiles dkdv --dims 64   # every candidate tile of one kernel, timed in its pass
-
-    from flash_triton import FlashAttention, flash_attention
-    o = FlashAttention.apply(q, k, v, True)        # (batch, seq, d), (batch, heads, seq, d), ...
-    o = flash_attention(q, k, v, causal=True)      # the same, as a plain function
-    y = flash_attention_qkv(qkv, n_head)           # GPT-2's (B, S, 3C) projection in, (B, S, C) out, causal
+    o = FlashAttention.apply(q, k, v, True)  # the lesson; flash_attention_qkv(qkv, n_head): the model's fast path
 """
 
 import argparse
@@ -43,22 +36,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 import triton
 import triton.language as tl
-
-try:  # Gluon, Triton's lower-level dialect (section 2b). Experimental: its API moves between releases.
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_init, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.experimental.gluon.language._core import builtin  # (for the TMA reduce-add, section 2b)
-    from triton._C.libtriton import ir
-    # written and measured with triton 3.6 (3.9 renamed its copies), never under the interpreter
-    GLUON = triton.__version__.startswith("3.6.") and not INTERPRETED
-except ImportError:  # an older triton: the decorators below only wrap the Gluon kernels, which never run
-    gluon, gl, GLUON = triton, tl, False
-
-    def builtin(fn):
-        return fn
 
 if INTERPRETED:  # triton <= 3.6's interpreter takes int() of a 1-element array for a loop bound,
     from triton.runtime import interpreter  # which numpy refuses: range(0, n, BLOCK) fails. As 3.9 does:
@@ -306,7 +283,213 @@ def _attn_dkdv_kernel(Q, K, V, DO, L, Delta, DKV, sqb, sqh, sqn, skb, skh, skn, 
 
 # takeaway: the backward recomputes P from L, and each gradient has one owner: no atomics, deterministic.
 
-# --- 2b. Hopper: the forward and the backward in Gluon, matmuls overlapped (FlashAttention-3's way)
+# --- 3. the autograd.Function: FlashAttention.apply(q, k, v, is_causal) launches the kernels itself
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, 16-bit inputs; dkdv iterates BLOCK_M query slices
+# over its key tile, dq BLOCK_N key slices. From @triton.autotune on an H100 (bf16, causal; D16 keeps D64's).
+D64_TILES = {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (128, 64, 4, 2)}
+TUNED = {16: D64_TILES, 32: {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 3)}, 64: D64_TILES,
+         128: {"fwd": (128, 128, 8, 3), "dkdv": (64, 64, 4, 2), "dq": (128, 64, 8, 3)}}
+# fp32: twice the shared memory, exact dots on CUDA cores; small interpreter tiles cross many boundaries
+FP32_TILES = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
+INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+
+
+def tiles_for(dtype, D):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of each kernel for inputs of this dtype and head dim. Section 6's
+    plans take smaller 16-bit tiles up to SHORT_SEQ tokens, where they measured faster."""
+    if INTERPRETED:
+        return INTERPRETER_TILES
+    if dtype == torch.float32:
+        return FP32_TILES
+    return TUNED[D]
+
+
+def torch_fp32_precision():  # newer torch has fp32_precision, and reading allow_tf32 there warns
+    m = torch.backends.cuda.matmul
+    if hasattr(m, "fp32_precision"):
+        tf32 = m.fp32_precision == "tf32"
+    else:
+        tf32 = m.allow_tf32
+    return "tf32" if tf32 else "ieee"
+
+
+def _precision(q, precision):
+    # only fp32 dots have a choice; 16-bit inputs always take the tensor cores' native path. Reading torch's
+    # setting only for fp32 keeps torch.compile's graph whole.
+    if q.dtype != torch.float32:
+        return "tf32"
+    if precision is None:
+        return torch_fp32_precision()
+    return precision
+
+
+def _default_scale(D):
+    # 1/sqrt(D) as a plain float, D found among HEAD_DIMS by value: while torch.compile traces symbolic shapes D is a
+    # symbol, and a symbolic float passed to a Triton kernel was typed as an integer by inductor (torch 2.11)
+    for d in HEAD_DIMS:
+        if d == D:
+            return d**-0.5
+    raise ValueError(f"head dim {D} is not supported; use one of {HEAD_DIMS}")  # (check_inputs says so first)
+
+
+def _as_4d(t):
+    # (batch, seq, d) -> (batch, 1, seq, d), (..., heads, seq, d) -> (batch, heads, seq, d); last dim contiguous
+    if t.dim() != 4:
+        t = t.unsqueeze(1) if t.dim() == 3 else t.flatten(0, -4)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def check_inputs(q, k, v, causal, precision=None):
+    """ValueError, in one sentence, for shapes attention cannot take (with a precision: or the kernels)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise ValueError("q, k and v must be torch tensors")
+    if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"q, k, v must all be (batch, seq, d), (batch, heads, seq, d) or more leading dims; "
+                         f"got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.numel() == 0:
+        raise ValueError("sequence length and batch must be at least 1")
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"causal attention needs equal query and key lengths, got {q.shape[-2]} and {k.shape[-2]}")
+    if precision is None:  # the PyTorch reference takes any head dim, dtype and device
+        return
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head dim {q.shape[-1]} is not supported; use one of {HEAD_DIMS}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES.values():
+        raise ValueError(f"q, k, v must share one dtype among fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if q.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(f"tensors on {q.device} need TRITON_INTERPRET=1 (set before triton is imported); "
+                         "the kernels run on CUDA GPUs")
+    if precision not in ("ieee", "tf32"):
+        raise ValueError(f"precision must be 'ieee' (exact fp32 dot) or 'tf32', got '{precision}'")
+
+
+class FlashAttention(torch.autograd.Function):
+    """FlashAttention-2 as an autograd op, the course's interface: apply(q, k, v, is_causal=False, scale=None,
+    precision=None) on (..., seq, d) tensors. Each call checks, picks tiles, computes the grid and launches the
+    kernels above with kernel[grid](...). Saves q, k, v, O and the fp32 logsumexp L (q's shape less its last
+    dimension): the backward recomputes P from them, nothing (S, S) is kept. The model calls the same kernels
+    through section 6's flash_attention, which works all this out once per layout."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False, scale=None, precision=None):
+        check_inputs(q, k, v, is_causal, precision or "ieee")  # None: torch's setting, read next (fp32 only)
+        precision = _precision(q, precision)
+        if scale is None:
+            scale = _default_scale(q.shape[-1])
+        q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)  # (..., S, D) -> (B, H, S, D): a (b, h, n) stride each
+        B, H, Nq, D = q4.shape
+        Nk = k4.shape[2]
+        o = torch.empty(B, H, Nq, D, device=q.device, dtype=q.dtype)
+        lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)  # L, a row per query (B*H, Nq) for the kernel
+        bm, bn, warps, stages = tiles_for(q.dtype, D)["fwd"]
+        grid = (triton.cdiv(Nq, bm), B * H)  # a program per (query tile, batch*head)
+        # the kernels take exp2, so the scale comes with log2(e) folded in. TMA=False: tiles load through plain
+        # pointers (section 6's plans load D128's through the copy engine's descriptors)
+        _attn_fwd_kernel[grid](q4, k4, v4, o, lse, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3],
+                               *o.stride()[:3], H, Nq, Nk, scale * LOG2E, CAUSAL=is_causal, D=D, BLOCK_M=bm,
+                               BLOCK_N=bn, PRECISION=precision, TMA=False, num_warps=warps, num_stages=stages)
+        o, lse = o.view(q.shape), lse.view(q.shape[:-1])  # (B, H, S, D) -> the caller's (..., S, D), and L (..., S)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale, ctx.precision = is_causal, scale, precision
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        q4, k4, v4, o4, do4 = map(_as_4d, (q, k, v, o, do))  # (B, H, S, D) each
+        B, H, Nq, D = q4.shape
+        Nk = k4.shape[2]
+        tiles = tiles_for(q.dtype, D)
+        delta = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)  # rowsum(dO * O), a row per query
+        dq = torch.empty(B, H, Nq, D, device=q.device, dtype=q.dtype)
+        dkv = torch.empty(2, B, H, Nk, D, device=k.device, dtype=k.dtype)  # dK and dV in one tensor: dV at stride(0)
+        tail = (H, Nq, Nk, ctx.scale * LOG2E, ctx.scale)
+        meta = dict(CAUSAL=ctx.causal, D=D, PRECISION=ctx.precision, TMA=False)
+        # dQ first, a program per query tile: it also writes Delta, which every dK/dV program reads. DIAG: the
+        # causal diagonal's sub-tile, half of the dimension that iterates (at least a dot's 16): less masked work
+        bm, bn, warps, stages = tiles["dq"]
+        _attn_dq_kernel[(triton.cdiv(Nq, bm), B * H)](
+            q4, k4, v4, o4, do4, lse, delta, dq, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3],
+            *o4.stride()[:3], *do4.stride()[:3], *dq.stride()[:3], *tail, BLOCK_M=bm, BLOCK_N=bn,
+            DIAG=max(bn // 2, 16), num_warps=warps, num_stages=stages, **meta)
+        # then dK and dV, a program per key tile
+        bm, bn, warps, stages = tiles["dkdv"]
+        _attn_dkdv_kernel[(triton.cdiv(Nk, bn), B * H)](
+            q4, k4, v4, do4, lse, delta, dkv, *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3],
+            *do4.stride()[:3], *dkv.stride()[1:4], 0, dkv.stride(0), *tail, BLOCK_M=bm, BLOCK_N=bn,
+            DIAG=max(bm // 2, 16), num_warps=warps, num_stages=stages, **meta)
+        dk, dv = dkv.unbind(0)
+        # (B, H, S, D) -> the caller's shapes; None for is_causal, scale and precision
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), None, None, None
+
+# takeaway: the Function is glue: check the inputs, pick tiles, compute each grid, launch. It saves only q, k, v,
+# O and L; the backward launches dQ's kernel first because dK/dV's reads the Delta it writes.
+
+# --- 4. the reference: FlashAttention-2 tile by tile in plain PyTorch, on (..., seq, d) tensors
+
+
+def _torch_forward(q, k, v, causal, scale, block=64):
+    """O and L (natural-log logsumexp of the scaled scores, fp32, shaped like q without its last
+    dimension) by the FA2 forward loop: per query tile, an online softmax over key tiles."""
+    q, k, v = q.float(), k.float(), v.float()
+    Nq, Nk = q.shape[-2], k.shape[-2]
+    o, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+    for i in range(0, Nq, block):
+        qi = q[..., i : i + block, :]
+        rows = torch.arange(i, i + qi.shape[-2], device=q.device)
+        m = q.new_full(qi.shape[:-1], -math.inf)
+        l, acc = torch.zeros_like(m), torch.zeros_like(qi)
+        for j in range(0, min(Nk, i + block) if causal else Nk, block):  # skip tiles above the diagonal
+            s = (qi @ k[..., j : j + block, :].transpose(-1, -2)) * scale
+            if causal:
+                cols = torch.arange(j, j + s.shape[-1], device=q.device)
+                s = s.masked_fill(cols[None, :] > rows[:, None], -math.inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            alpha = torch.exp(m - m_new)  # rescales what was summed under the old max
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + p @ v[..., j : j + block, :]
+            m = m_new
+        o[..., i : i + block, :] = acc / l[..., None]
+        lse[..., i : i + block] = m + torch.log(l)
+    return o, lse
+
+
+class FlashAttentionTorch(torch.autograd.Function):
+    """The readable reference: the tiled forward, a backward that recomputes P from L; FlashAttention's apply."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False, scale=None, precision=None):
+        check_inputs(q, k, v, is_causal)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        o, lse = _torch_forward(q, k, v, is_causal, scale)
+        o = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = is_causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        """The FA2 backward equations, with P = exp(S - L) recomputed from the saved L rather than
+        stored: dV = P^T dO, dP = dO V^T, dS = P * (dP - D) with D = rowsum(dO * O), dQ = scale dS K,
+        dK = scale dS^T Q. (Here in one piece; the kernels go tile by tile.)"""
+        q, k, v, o, lse = ctx.saved_tensors
+        qf, kf, vf, o, do = (t.float() for t in (q, k, v, o, do))
+        p = torch.exp((qf @ kf.transpose(-1, -2)) * ctx.scale - lse[..., None])
+        if ctx.causal:
+            p = p.masked_fill(torch.ones(p.shape[-2:], dtype=torch.bool, device=p.device).triu(1), 0.0)
+        ds = p * (do @ vf.transpose(-1, -2) - (do * o).sum(-1, keepdim=True)) * ctx.scale
+        dq, dk, dv = ds @ kf, ds.transpose(-1, -2) @ qf, p.transpose(-1, -2) @ do
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+# takeaway: the same online softmax in a dozen lines of PyTorch, the yardstick for every kernel test.
+
+# --- 5. Hopper: the forward and the backward in Gluon, matmuls overlapped (FlashAttention-3's way)
 #
 # Hopper's tensor cores run asynchronously: wgmma is issued, the warpgroup goes on, and a wait retires
 # it. Triton retires every matmul whose result is not a loop-carried accumulator at once (its IR puts
@@ -323,6 +506,22 @@ def _attn_dkdv_kernel(Q, K, V, DO, L, Delta, DKV, sqb, sqh, sqn, skb, skh, skn, 
 # engine adds it into an fp32 dQ (TMA reduce-add), five matmuls a tile instead of the two passes' seven. Used on
 # Hopper for 16-bit inputs of head dim 64 or 128 when called eagerly (GLUON_PASSES says which pass where: each
 # where it measured faster); torch.compile traces the Triton kernels above.
+
+try:  # Gluon, Triton's lower-level dialect. Experimental: its API moves between releases.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.language._core import builtin  # (for the TMA reduce-add below)
+    from triton._C.libtriton import ir
+    # written and measured with triton 3.6 (3.9 renamed its copies), never under the interpreter
+    GLUON = triton.__version__.startswith("3.6.") and not INTERPRETED
+except ImportError:  # an older triton: the decorators below only wrap the Gluon kernels, which never run
+    gluon, gl, GLUON = triton, tl, False
+
+    def builtin(fn):
+        return fn
 
 
 @gluon.jit
@@ -837,24 +1036,24 @@ def _dkdv_gluon_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dqa_de
 # written out every slice and in gradients that are no longer bitwise reproducible. Where registers run out, a value
 # folded into a matmul's starting accumulator (-L/scale, -Delta) is one fewer held across the loop.
 
-# --- 3. tile configurations, a call's plan and the autograd.Function
+# --- 6. the fast path: what the model calls (flash_attention, flash_attention_qkv), planned once per layout
+#
+# FlashAttention (section 3) works everything out at every call and launches the same Triton kernels everywhere.
+# FlashAttentionPlanned (behind flash_attention) and FlashAttentionQKV (behind flash_attention_qkv, gpt.py's call)
+# keep its interface, math and saved tensors, and add what speed asks for: tiles per head dim and sequence length,
+# TMA loads at D128, on Hopper section 5's Gluon passes where each measured faster (_gluon_passes: the one switch
+# between the two kinds of kernel), gradients written in the model's memory layout, and a plan per layout, so that
+# a later call only allocates and launches. The one-pass backward (section 5) adds dQ up in whatever order the adds
+# land: not bitwise reproducible, so torch.use_deterministic_algorithms(True) keeps the two passes.
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim, 16-bit inputs; dkdv iterates BLOCK_M query slices
-# over its key tile, dq BLOCK_N key slices. From @triton.autotune on an H100 (bf16, causal; D16 keeps D64's).
-D64_TILES = {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 4, 3), "dq": (128, 64, 4, 2)}
-TUNED = {16: D64_TILES, 32: {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 3)}, 64: D64_TILES,
-         128: {"fwd": (128, 128, 8, 3), "dkdv": (64, 64, 4, 2), "dq": (128, 64, 8, 3)}}
-# At gpt2's 1,024 tokens (B16 H12 D64) the same search (--tiles, H100) picks smaller tiles, more programs:
-# forward (64, 64, 4, 3) 0.921x the time of TUNED's, dq (64, 64, 4, 2) 0.907x, dkdv (32, 64, 4, 3) 0.984x.
-# Sequences up to SHORT_SEQ tokens take them where a head dim has them (shorter ones unmeasured).
+# At gpt2's 1,024 tokens (B16 H12 D64) the tile search (--tiles, H100) picks smaller tiles than TUNED's (section 3),
+# more programs: forward (64, 64, 4, 3) 0.921x the time of TUNED's, dq (64, 64, 4, 2) 0.907x, dkdv (32, 64, 4, 3)
+# 0.984x. Sequences up to SHORT_SEQ tokens take them where a head dim has them (shorter ones unmeasured).
 SHORT_SEQ = 1024
 SHORT_TUNED = {64: {"fwd": (64, 64, 4, 3), "dkdv": (32, 64, 4, 3), "dq": (64, 64, 4, 2)}}
 TMA_HEAD_DIMS = (128,)  # tiles load through Hopper's tensor-memory accelerator (descriptors)
-# fp32: twice the shared memory, exact dots on CUDA cores; small interpreter tiles cross many boundaries
-FP32_TILES = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
-INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
 KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_dkdv_kernel, "dq": _attn_dq_kernel}
-# The passes that run as Gluon kernels (section 2b) past SHORT_SEQ tokens, per head dim, each where it measured
+# The passes that run as Gluon kernels (section 5) past SHORT_SEQ tokens, per head dim, each where it measured
 # faster than its Triton kernel (the pass alone, do_bench, 5 repeats, H200): dQ 0.94x at S16384 D64,
 # 0.85x at B4 S4096 D128, 0.93x at S16384 D128; dK/dV 0.91x and 0.95x at those two. At S16384 D64 dK/dV lost
 # (1.03-1.07x) while P^T and dS^T went through shared memory; from registers it takes 0.90x Triton's time there,
@@ -933,13 +1132,6 @@ def _descriptor(t, rows):
                             gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
-def _as_4d(t):
-    # (batch, seq, d) -> (batch, 1, seq, d), (..., heads, seq, d) -> (batch, heads, seq, d); last dim contiguous
-    if t.dim() != 4:
-        t = t.unsqueeze(1) if t.dim() == 3 else t.flatten(0, -4)
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _grad_buffer(t, n):
     # n gradients shaped like t (B, H, S, D) in one (n, B, H, S, D) tensor, laid out as t is: the model's q, k and v
     # are head-transposed views of one (B, S, 3, H, D) projection, so theirs go to (B, S, H, D) memory, where
@@ -998,7 +1190,7 @@ class Launch:
 # kept under a key of exactly those values and each input's 16-byte alignment (Triton specializes a pointer on it):
 # any value that changes, changes the key. A later call allocates its outputs and launches. At GPT-2's shape the
 # kernels take ~0.37 ms a forward+backward; working it all out again at every call cost the host 0.25-0.32 ms
-# more (section 5's host table, H100), enough to leave the GPU waiting. Plans hold the tables' choices: clear
+# more (section 7's host table, H100), enough to leave the GPU waiting. Plans hold the tables' choices: clear
 # PLANS after changing GLUON or a table.
 PLANS = {}  # _plan_key(...) -> Plan
 
@@ -1010,15 +1202,6 @@ def _plan_key(kind, tensors, causal, scale, precision, *more):
         return None
     layouts = [(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors]
     return kind, *layouts, causal, scale, precision, _precision(tensors[0], precision), *more  # (as given, as taken)
-
-
-def _default_scale(D):
-    # 1/sqrt(D) as a plain float, D found among HEAD_DIMS by value: while torch.compile traces symbolic shapes D is a
-    # symbol, and a symbolic float passed to a Triton kernel was typed as an integer by inductor (torch 2.11)
-    for d in HEAD_DIMS:
-        if d == D:
-            return d**-0.5
-    raise ValueError(f"head dim {D} is not supported; use one of {HEAD_DIMS}")  # (check_inputs says so first)
 
 
 def _new_plan(key, q4, k4, v4, causal, scale, precision):  # a Plan, kept under key unless key is None
@@ -1067,7 +1250,7 @@ class Plan:
         """(the Gluon passes, one pass or two, the dQ and dK/dV kernels' Launch where Triton's run) for one dO."""
         B, H, Nq, D = self.shape
         passes = _gluon_passes(q4, Nq, q4, k4, v4, do4)  # (the gradients' buffers are aligned: fresh tensors)
-        # One pass (section 2b's ONE_PASS) from ONE_PASS_FROM tokens on, unless torch.use_deterministic_algorithms
+        # One pass (section 5's ONE_PASS) from ONE_PASS_FROM tokens on, unless torch.use_deterministic_algorithms
         one_pass = "bwd" in passes and Nq >= ONE_PASS_FROM[D] and not torch.are_deterministic_algorithms_enabled()
         tail = (H, Nq, self.Nk, self.scale * LOG2E, self.scale)
         meta = dict(CAUSAL=self.causal, D=D, PRECISION=self.precision, TMA=_use_tma(q4, k4, v4, do4))
@@ -1129,19 +1312,10 @@ class Plan:
             dq4.copy_(dq_acc)  # to 16 bits, in the gradient's layout
 
 
-def _precision(q, precision):
-    # only fp32 dots have a choice; 16-bit inputs always take the tensor cores' native path. Reading torch's
-    # setting only for fp32 keeps torch.compile's graph whole.
-    if q.dtype != torch.float32:
-        return "tf32"
-    if precision is None:
-        return torch_fp32_precision()
-    return precision
-
-
-class FlashAttention(torch.autograd.Function):
-    """The Triton kernels as an autograd op, apply(q, k, v, is_causal=False, scale=None, precision=None) on
-    (..., seq, d) tensors. Saves q, k, v, O and the fp32 logsumexp L (q's shape less its last dimension)."""
+class FlashAttentionPlanned(torch.autograd.Function):
+    """FlashAttention (section 3) through a plan kept per layout: apply(q, k, v, is_causal=False, scale=None,
+    precision=None) on (..., seq, d) tensors, saving the same q, k, v, O and fp32 logsumexp L. flash_attention
+    calls it."""
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, scale=None, precision=None):
@@ -1211,43 +1385,6 @@ class FlashAttentionQKV(torch.autograd.Function):
         return dqkv, None, None, None
 
 
-def torch_fp32_precision():  # newer torch has fp32_precision, and reading allow_tf32 there warns
-    m = torch.backends.cuda.matmul
-    if hasattr(m, "fp32_precision"):
-        tf32 = m.fp32_precision == "tf32"
-    else:
-        tf32 = m.allow_tf32
-    return "tf32" if tf32 else "ieee"
-
-
-def check_inputs(q, k, v, causal, precision=None):
-    """ValueError, in one sentence, for shapes attention cannot take (with a precision: or the kernels)."""
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        raise ValueError("q, k and v must be torch tensors")
-    if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
-        raise ValueError(f"q, k, v must all be (batch, seq, d), (batch, heads, seq, d) or more leading dims; "
-                         f"got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.numel() == 0:
-        raise ValueError("sequence length and batch must be at least 1")
-    if causal and q.shape[-2] != k.shape[-2]:
-        raise ValueError(f"causal attention needs equal query and key lengths, got {q.shape[-2]} and {k.shape[-2]}")
-    if precision is None:  # the PyTorch reference takes any head dim, dtype and device
-        return
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"head dim {q.shape[-1]} is not supported; use one of {HEAD_DIMS}")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES.values():
-        raise ValueError(f"q, k, v must share one dtype among fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
-    if q.device.type != "cuda" and not INTERPRETED:
-        raise ValueError(f"tensors on {q.device} need TRITON_INTERPRET=1 (set before triton is imported); "
-                         "the kernels run on CUDA GPUs")
-    if precision not in ("ieee", "tf32"):
-        raise ValueError(f"precision must be 'ieee' (exact fp32 dot) or 'tf32', got '{precision}'")
-
-
 def flash_attention_qkv(qkv, n_head, causal=True, scale=None):
     """flash_attention from GPT-2's (B, S, 3*C) q, k, v projection to its (B, S, C) output, heads side by side;
     fp32 inputs use torch's fp32 matmul setting."""
@@ -1257,72 +1394,14 @@ def flash_attention_qkv(qkv, n_head, causal=True, scale=None):
 def flash_attention(q, k, v, causal=False, scale=None, precision=None):
     """softmax(scale * q k^T) v with the Triton kernels, differentiable; q (..., Nq, D), k and v (..., Nk, D),
     scale 1/sqrt(D) by default. `precision` (fp32 inputs only): "ieee" exact dots, "tf32" tensor-core ones,
-    None torch's fp32 matmul setting, so --attn triton matches the rest of the model."""
-    return FlashAttention.apply(q, k, v, causal, scale, precision)
+    None torch's fp32 matmul setting, so --attn triton matches the rest of the model. The fast path, planned per
+    layout (section 6); FlashAttention.apply (section 3) gives the same answer to rounding, worked out every call."""
+    return FlashAttentionPlanned.apply(q, k, v, causal, scale, precision)
 
 # takeaway: tile sizes are per head dim and dtype; a layout's first call plans (checks, kernels, tiles, grids,
 # arguments, compiled launchers) and later calls only allocate and launch; the Function saves only q, k, v, O and L.
 
-# --- 4. the reference: FlashAttention-2 tile by tile in plain PyTorch, on (..., seq, d) tensors
-
-
-def _torch_forward(q, k, v, causal, scale, block=64):
-    """O and L (natural-log logsumexp of the scaled scores, fp32, shaped like q without its last
-    dimension) by the FA2 forward loop: per query tile, an online softmax over key tiles."""
-    q, k, v = q.float(), k.float(), v.float()
-    Nq, Nk = q.shape[-2], k.shape[-2]
-    o, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
-    for i in range(0, Nq, block):
-        qi = q[..., i : i + block, :]
-        rows = torch.arange(i, i + qi.shape[-2], device=q.device)
-        m = q.new_full(qi.shape[:-1], -math.inf)
-        l, acc = torch.zeros_like(m), torch.zeros_like(qi)
-        for j in range(0, min(Nk, i + block) if causal else Nk, block):  # skip tiles above the diagonal
-            s = (qi @ k[..., j : j + block, :].transpose(-1, -2)) * scale
-            if causal:
-                cols = torch.arange(j, j + s.shape[-1], device=q.device)
-                s = s.masked_fill(cols[None, :] > rows[:, None], -math.inf)
-            m_new = torch.maximum(m, s.amax(-1))
-            p = torch.exp(s - m_new[..., None])
-            alpha = torch.exp(m - m_new)  # rescales what was summed under the old max
-            l = l * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + p @ v[..., j : j + block, :]
-            m = m_new
-        o[..., i : i + block, :] = acc / l[..., None]
-        lse[..., i : i + block] = m + torch.log(l)
-    return o, lse
-
-
-class FlashAttentionTorch(torch.autograd.Function):
-    """The readable reference: the tiled forward, a backward that recomputes P from L; FlashAttention's apply."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal=False, scale=None, precision=None):
-        check_inputs(q, k, v, is_causal)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        o, lse = _torch_forward(q, k, v, is_causal, scale)
-        o = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = is_causal, scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        """The FA2 backward equations, with P = exp(S - L) recomputed from the saved L rather than
-        stored: dV = P^T dO, dP = dO V^T, dS = P * (dP - D) with D = rowsum(dO * O), dQ = scale dS K,
-        dK = scale dS^T Q. (Here in one piece; the kernels go tile by tile.)"""
-        q, k, v, o, lse = ctx.saved_tensors
-        qf, kf, vf, o, do = (t.float() for t in (q, k, v, o, do))
-        p = torch.exp((qf @ kf.transpose(-1, -2)) * ctx.scale - lse[..., None])
-        if ctx.causal:
-            p = p.masked_fill(torch.ones(p.shape[-2:], dtype=torch.bool, device=p.device).triu(1), 0.0)
-        ds = p * (do @ vf.transpose(-1, -2) - (do * o).sum(-1, keepdim=True)) * ctx.scale
-        dq, dk, dv = ds @ kf, ds.transpose(-1, -2) @ qf, p.transpose(-1, -2) @ do
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-# takeaway: the same online softmax in a dozen lines of PyTorch, the yardstick for every kernel test.
-
-# --- 5. benchmark against SDPA's backends (do_bench: each pipeline alone, L2 flushed between calls)
+# --- 7. benchmark against SDPA's backends (do_bench: each pipeline alone, L2 flushed between calls)
 
 # long context at D64 and D128, GPT-2 124M's attention (B16 H12 S1024 D64), small head dims, one fp32 row
 GPT2_SHAPE = (16, 12, 1024, 64, "bf16")  # B16, T1024, gpt2's 12 heads of 64
@@ -1563,7 +1642,7 @@ def report_host(repeats, calls=2000):
 # takeaway: compare against SDPA's own fused kernels, paired by repeat, and graphed to remove launch costs; the
 # host's time a call, apart, says how much of a called time is the host's.
 
-# --- 5b. --tiles: the search behind TUNED, one kernel at a time (its pass timed with every candidate, bf16)
+# --- 7b. --tiles: the search behind TUNED, one kernel at a time (its pass timed with every candidate, bf16)
 
 TILE_CANDIDATES = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages), within each kernel's static_assert
     "fwd": [(m, n, w, st) for m in (64, 128) for n in (32, 64, 128) if m % n == 0 for w in (4, 8) for st in (2, 3, 4)],
@@ -1623,7 +1702,7 @@ def report_tiles(kernel, shape, rows):
 
 # takeaway: a tile that fits shared memory is not the fastest one; time the pass it runs in, per head dim and length.
 
-# --- 6. the course's benchmarking grid: ours, plain PyTorch and SDPA; batch 1, one head, causal
+# --- 8. the course's benchmarking grid: ours, plain PyTorch and SDPA; batch 1, one head, causal
 
 GPU_GRID = {"seqs": [2**i for i in range(7, 17)], "dims": list(HEAD_DIMS), "dtypes": ["bf16", "fp32"]}  # S 128-65536
 CPU_GRID = {"seqs": [16, 32], "dims": [16], "dtypes": ["fp32"]}  # the interpreter: seconds, not hours
@@ -1756,9 +1835,10 @@ def plot_grid(results, name, path):
         ax.set_xscale("log", base=2)
         ax.set(yscale="log", xlabel="sequence length", ylabel=f"{GRID_PASSES[name]} ms", title=f"{dtype} D={D}")
         ax.legend(fontsize=7)
-    fig.suptitle(f"causal attention, batch 1, one head: {GRID_PASSES[name]}")
+    # two short lines: one long line was wider than a single panel's figure and came out cut at both ends
+    fig.suptitle(f"causal attention, {GRID_PASSES[name]}\nbatch 1, one head")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # (the saved area grown to all the text, as plot_tflops's)
     print(f"wrote {path}")
 
 
@@ -1784,7 +1864,7 @@ def grid(seqs, dims, dtypes, passes, plot, impls=GRID_IMPLS):
 
 # takeaway: the (S, S) matrices make plain attention quadratic in memory; the fused kernels stay linear.
 
-# --- 7. main: flags, each validated by a type= helper (a bad value: argparse's one-line error, exit 2)
+# --- 9. main: flags, each validated by a type= helper (a bad value: argparse's one-line error, exit 2)
 
 
 def print_table(headers, rows):
@@ -1836,10 +1916,15 @@ def comma_list(item):  # type=comma_list(item): "a,b" -> [item("a"), item("b")],
     return parse
 
 
-def plot_problem(path, grid):  # why --plot cannot write `path`, checked before any work; or None
+def fail(message):
+    """A refusal of well-formed flags that this machine cannot honour (no CUDA GPU): one sentence and exit status 2,
+    no usage block and no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def plot_problem(path):  # why --plot cannot write `path`, checked before any work; or None
     folder = os.path.dirname(os.path.abspath(path))
-    if INTERPRETED and not grid:
-        return "--plot draws the GPU benchmark, and this machine has no CUDA GPU (nothing is timed)"
     if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         return f"--plot {path} must name a PNG file in an existing, writable folder"
     if importlib.util.find_spec("matplotlib") is None:
@@ -1874,25 +1959,27 @@ def parse_args(argv):
         p.error(f"--{narrowing[0]} narrows the grid: add --grid")
     if args.tiles and (args.grid or args.repeats is not None or args.plot):
         p.error("--tiles searches one kernel's tiles; drop --grid, --repeats and --plot")
-    if args.tiles and INTERPRETED:
-        p.error("--tiles times the kernels on a CUDA GPU; without one they are only checked (no flags)")
     if args.grid and args.shapes:
         p.error("--shapes chooses the benchmark's shapes; the grid takes --seqs and --dims")
     if args.grid and args.repeats is not None:
         p.error("--repeats repeats the benchmark; the grid times each cell once, a do_bench median")
-    problem = plot_problem(args.plot, args.grid) if args.plot else None
-    if problem:
-        p.error(problem)
-    problem = interpreter_problem(args.shapes, args.repeats) if INTERPRETED else None
+    problem = interpreter_problem(args) if INTERPRETED else None
+    if problem:  # the flags are fine, the machine has no GPU: one line, no usage block
+        fail(problem)
+    problem = plot_problem(args.plot) if args.plot else None
     if problem:
         p.error(problem)
     return args
 
 
-def interpreter_problem(shapes, repeats):  # why the flags ask what the interpreter cannot do; or None
-    if repeats is not None:
+def interpreter_problem(args):  # why the flags ask what the interpreter cannot do; or None
+    if args.tiles:
+        return "--tiles times the kernels on a CUDA GPU; without one they are only checked (no flags)"
+    if args.plot and not args.grid:
+        return "--plot draws the GPU benchmark, and this machine has no CUDA GPU (nothing is timed)"
+    if args.repeats is not None:
         return "--repeats times the GPU benchmark; without a CUDA GPU nothing is timed (the kernels are checked)"
-    for B, H, S, D, _ in shapes or []:
+    for B, H, S, D, _ in args.shapes or []:
         if B * H * S * S > INTERPRETER_WORK:  # the interpreter's time grows with B*H*S^2 (the tiles each head visits)
             return (f"--shapes {B}x{H}x{S}x{D} is too large for the CPU interpreter: B*H*S^2 = {B * H * S * S:,} is "
                     f"above {INTERPRETER_WORK:,} (about 20 s); try 1x2x64x16, or run on a CUDA GPU")
@@ -1900,21 +1987,24 @@ def interpreter_problem(shapes, repeats):  # why the flags ask what the interpre
 
 
 def check_error(B, H, S, D):
-    """The largest relative error of O, L, dQ, dK, dV between the kernels and section 4's reference, causal, fp32."""
+    """The largest relative error of O, L, dQ, dK, dV between either Function that runs the kernels (section 3's and
+    section 6's) and section 4's reference, causal, fp32."""
     q, k, v, do = torch.randn(4, B, H, S, D, generator=torch.Generator().manual_seed(0))
-    outs = []
-    for fn in (FlashAttention, FlashAttentionTorch):
+    outs = {}
+    for fn in (FlashAttention, FlashAttentionPlanned, FlashAttentionTorch):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         o = fn.apply(*leaves, True)
-        outs.append((o, o.grad_fn.saved_tensors[-1], *torch.autograd.grad(o, leaves, do)))  # O, L, dQ, dK, dV
-    return max(((a - b).norm() / b.norm()).item() for a, b in zip(*outs))
+        outs[fn] = (o, o.grad_fn.saved_tensors[-1], *torch.autograd.grad(o, leaves, do))  # O, L, dQ, dK, dV
+    reference = outs[FlashAttentionTorch]
+    return max(((a - b).norm() / b.norm()).item() for fn in (FlashAttention, FlashAttentionPlanned)
+               for a, b in zip(outs[fn], reference))
 
 
 def self_check(shapes):
     """No GPU: small causal cases in fp32 (the interpreter's bf16 dots are not trustworthy), the kernels against
     section 4's reference, a line per shape; exit 1 if they differ."""
-    print("no CUDA GPU: the kernels run under TRITON_INTERPRET=1 against the PyTorch reference, causal, in fp32; "
-          "no benchmark", flush=True)
+    print("no CUDA GPU: the kernels run under TRITON_INTERPRET=1, through FlashAttention and the planned path, "
+          "against the PyTorch reference, causal, in fp32; no benchmark", flush=True)
     errors = []
     for B, H, S, D, _ in shapes:
         errors.append(check_error(B, H, S, D))

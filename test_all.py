@@ -1926,10 +1926,12 @@ def test_ddp_gpu_allreduce_and_optimizer_memory():
     assert all(abs(float(r[-2]) - float(r[-3])) <= 0.02 * float(r[-3]) + 0.05 for r in rows), out
 
 
-# --- 8. flash_triton.py: both autograd Functions vs float64, the saved logsumexp, determinism, bad input
+# --- 8. flash_triton.py: every autograd Function vs float64, the saved logsumexp, determinism, bad input
 
 def flash_check(device, cases, shapes):
-    """Both Functions against float64: O, the one saved fp32 logsumexp, gradients; the Triton backward bitwise twice."""
+    """The kernels' Functions (the lesson's, launching them directly, and the planned one flash_attention calls) and
+    the PyTorch reference against float64: O, the one saved fp32 logsumexp, gradients; the Triton backward bitwise
+    twice."""
     import flash_triton as ft
     default = ft.TMA_HEAD_DIMS
     for tma_dims, dtype, tol in cases:
@@ -1947,13 +1949,15 @@ def flash_check(device, cases, shapes):
                 s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=device).triu(1), -math.inf)
             o_ref = s.softmax(-1) @ ref[2]
             expected = (o_ref, s.logsumexp(-1), *torch.autograd.grad(o_ref, ref, do.double()))
-            for fn in (ft.FlashAttention, ft.FlashAttentionTorch):
+            for fn in (ft.FlashAttention, ft.FlashAttentionPlanned, ft.FlashAttentionTorch):
+                if fn is ft.FlashAttention and set(tma_dims) - set(default):
+                    continue  # TMA forced at more head dims: only the plans load through descriptors
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 o = fn.apply(*leaves, causal, scale, "ieee")
                 lse = [t for t in o.grad_fn.saved_tensors if t.dtype == torch.float32 and t.shape == q.shape[:-1]]
                 assert len(lse) == 1, [(t.shape, t.dtype) for t in o.grad_fn.saved_tensors]  # exactly one L
                 grads = torch.autograd.grad(o, leaves, do)
-                if fn is ft.FlashAttention:
+                if fn is not ft.FlashAttentionTorch:
                     again = torch.autograd.grad(fn.apply(*leaves, causal, scale, "ieee"), leaves, do)
                     assert all(torch.equal(a, b) for a, b in zip(grads, again)), "backward is not deterministic"
                 errs = [rel_err(x.double(), r) for x, r in zip((o, lse[0], *grads), expected)]
@@ -1962,22 +1966,23 @@ def flash_check(device, cases, shapes):
     ft.PLANS.clear()
 
 def flash_grads_in_model_layout(ft):
-    """q, k, v as gpt.py makes them (head-transposed views of one (B, S, 3C) projection): their gradients come back
-    in (B, S, H, D) memory, where the transposes back to (B, S, C) are views, and the projection's gradient is the
-    reference's."""
+    """q, k, v as gpt.py makes them (head-transposed views of one (B, S, 3C) projection): the planned Function's
+    gradients come back in (B, S, H, D) memory, where the transposes back to (B, S, C) are views, and the
+    projection's gradient is the reference's through either kernels' Function."""
     B, S, H, D = 2, 40, 3, 16
     qkv = torch.randn(B, S, 3 * H * D, generator=torch.Generator().manual_seed(2))
     do = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(3))
     grads = {}
-    for fn in (ft.FlashAttention, ft.FlashAttentionTorch):
+    for fn in (ft.FlashAttention, ft.FlashAttentionPlanned, ft.FlashAttentionTorch):
         leaf = qkv.clone().requires_grad_()
         q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in leaf.split(H * D, dim=2))  # (B, H, S, D) views
         o = fn.apply(q, k, v, True, None, "ieee")
         grads[fn] = torch.autograd.grad(o, (q, k, v, leaf), do)
-    dq, dk, dv, dqkv = grads[ft.FlashAttention]
+    dq, dk, dv, dqkv = grads[ft.FlashAttentionPlanned]
     assert all(g.transpose(1, 2).is_contiguous() for g in (dq, dk, dv)), [g.stride() for g in (dq, dk, dv)]
     expected = grads[ft.FlashAttentionTorch][3]
-    assert rel_err(dqkv, expected) < 1e-5, rel_err(dqkv, expected)
+    for fn in (ft.FlashAttention, ft.FlashAttentionPlanned):
+        assert rel_err(grads[fn][3], expected) < 1e-5, (fn.__name__, rel_err(grads[fn][3], expected))
     # the model's path: the whole projection in, (B, S, C) out, its gradient written whole
     leaf = qkv.clone().requires_grad_()
     y = ft.flash_attention_qkv(leaf, H)
@@ -2024,13 +2029,17 @@ def flash_interpreted():
         ("--repeats 3", "nothing is timed"), ("--tiles dkdv", "--tiles times the kernels on a CUDA GPU"),
         ("--tiles dq --grid", "drop --grid"), ("--tiles sideways", "invalid choice"),
         ("--shapes 1x2x64x16 --repeats 2", "--repeats times the GPU benchmark")])
+    for args in ["--plot flash.png", "--tiles dkdv", "--repeats 3", "--shapes 1x16x16384x64"]:  # GPU-only: one line
+        code, out, err = call_main("flash_triton.py", *args.split())
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "usage" not in err, (args, code, err)
     x = torch.randn(1, 2, 8, 16)
-    ft.FlashAttention.apply(x, x, x, False, None, "ieee")  # planned: a bad precision for it must still be refused
+    ft.FlashAttentionPlanned.apply(x, x, x, False, None, "ieee")  # a plan kept: a bad precision must still be refused
     for args, says in [((torch.randn(1, 2, 8, 48),) * 3, "head dim 48"), ((x, x.half(), x), "dtype"),
                        ((x, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), True), "causal"),
                        ((torch.randn(8, 16),) * 3, "(batch, seq, d)"), ((x, x, x, False, None, "fp8"), "precision"),
                        ((x.double(),) * 3, "dtype"), ((x, x[:, :1], x), "do not match")]:
-        assert_raises(says, ft.FlashAttention.apply, *args)
+        for fn in (ft.FlashAttention, ft.FlashAttentionPlanned):
+            assert_raises(says, fn.apply, *args)
 
 def test_flash_interpreter_reference_script_bad_input():
     # TRITON_INTERPRET=1 must be set before triton is imported: a fresh process (this one may have imported it)
@@ -2287,19 +2296,24 @@ def test_flash_grid_gpu_prints_every_cell():
 
 @gpu
 def test_flash_torch_compile():
-    """Both Functions compiled whole (fullgraph: a graph break fails), forward and backward against SDPA, and again
-    at a second batch size, which recompiles with symbolic shapes; eager plans made before do not get in the way."""
+    """Every kernels' Function compiled whole (fullgraph: a graph break fails): the lesson's FlashAttention.apply,
+    flash_attention (planned) and flash_attention_qkv, forward and backward against SDPA, and again at a second batch
+    size, which recompiles with symbolic shapes; eager plans made before do not get in the way."""
     import flash_triton as ft
-    for D in (64, 128):  # D128 loads through TMA descriptors
-        attention = torch.compile(ft.FlashAttention.apply, fullgraph=True)
+    for D in (64, 128):  # D128 loads through TMA descriptors (planned, eager)
+        lesson = torch.compile(ft.FlashAttention.apply, fullgraph=True)
+        planned = torch.compile(ft.flash_attention, fullgraph=True)
         whole = torch.compile(ft.flash_attention_qkv, fullgraph=True)
         for B in (2, 3):
             q, k, v = (torch.randn(B, 4, 512, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                        for _ in range(3))
             ft.flash_attention(q, k, v, True)  # an eager plan for this layout
-            ours, ref = [(o, *torch.autograd.grad(o.float().square().sum(), (q, k, v))) for o in (
-                attention(q, k, v, True), torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))]
-            assert all(rel_err(a.float(), b.float()) < 2e-2 for a, b in zip(ours, ref)), (B, D)
+            o_ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            ref = (o_ref, *torch.autograd.grad(o_ref.float().square().sum(), (q, k, v)))
+            for name, attention in (("lesson", lesson), ("planned", planned)):
+                o = attention(q, k, v, True)
+                ours = (o, *torch.autograd.grad(o.float().square().sum(), (q, k, v)))
+                assert all(rel_err(a.float(), b.float()) < 2e-2 for a, b in zip(ours, ref)), (name, B, D)
             # the model's path compiled: the three gradients written into c_attn's one (B, S, 3C) gradient
             qkv = torch.randn(B, 512, 3 * 4 * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             ours, ref = [(y, *torch.autograd.grad(y.float().square().sum(), qkv)) for y in (
