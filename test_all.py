@@ -754,6 +754,35 @@ def test_train_interrupts_resume_exactly_across_layouts():
         last = train_main(*TINY, "--ckpt", f"{tmp}/d.pt", "--resume")[0]
         torch.testing.assert_close(on_ddp + on_fsdp + last, ref, **LAYOUT)
 
+def free_port():  # a TCP port nothing listens on now, for a rendezvous on localhost
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def two_nodes(args):
+    """train.py as a two-node job on this machine: two torchrun agents of one process each, meeting at a c10d
+    rendezvous on localhost (gloo), as two machines would meet at the first one's address. (losses, stdout)."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+              "--rdzv-backend", "c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id", "two-nodes",
+              "train.py", *map(str, args)]
+    agents = [subprocess.Popen(launch, cwd=HERE, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for _ in range(2)]
+    outs = [agent.communicate(timeout=600) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outs
+    out = "".join(o for o, _ in outs)  # rank 0 speaks for the job, on whichever agent it is
+    return step_values(out), out
+
+def test_train_two_nodes_on_one_machine_save_and_resume():
+    """Two agents (nodes) train one job, save a checkpoint and resume it: every loss is one process's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [*TINY, "--batch", 2, "--ckpt", f"{tmp}/nodes.pt"]  # 2 ranks x batch 2: the same global batch
+        first, out = two_nodes([*args, "--stop-after", 4])
+        assert len(first) == 4 and "x 2 processes" in out, out
+        second, out = two_nodes([*args, "--resume"])
+        assert "resumed from" in out and "at step 4" in out, out
+        torch.testing.assert_close(first + second, reference()[0], **LAYOUT)
+
 def test_train_master_weights_resume_exactly_and_share_checkpoints():
     """--bf16 in one process keeps bf16 weights in the model and fp32 masters in the optimizer (gpt.MasterWeights):
     stopped and resumed, every loss is the whole run's, and it loses as autocast does; its checkpoint holds the fp32
@@ -874,7 +903,11 @@ def test_train_bad_input_and_checkpoints():
         with unittest.mock.patch.object(torch, "save", full_disk):
             code, _, err = call_main("train.py", *ok, "--stop-after", 1, "--overwrite")
         assert code == 2 and "could not write the checkpoint" in err and "No space left" in err, err
+        assert "the previous one is intact" in err, err
         assert not os.path.exists(f"{tmp}/ok.pt.tmp") and torch.load(f"{tmp}/ok.pt", weights_only=True)["step"] == 1
+        with unittest.mock.patch.object(torch, "save", full_disk):  # a first save: there is no previous one
+            code, _, err = call_main("train.py", *one.split(), "--ckpt", f"{tmp}/first.pt", "--stop-after", 1)
+        assert code == 2 and "no checkpoint has been written yet" in err and "intact" not in err, err
         before = open(f"{tmp}/ok.pt", "rb").read()  # a run without --resume leaves it alone, byte for byte
         assert call_main("train.py", *ok)[0] == 2 and open(f"{tmp}/ok.pt", "rb").read() == before
         losses, out = train_main(*ok, "--resume", "--bf16")  # a change of precision is said

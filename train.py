@@ -278,11 +278,15 @@ def resume_hint(run, step, world):
     """What the checkpoint holds and the command that continues it: the same flags with --resume."""
     if not run.ckpt:
         return "nothing saved (no --ckpt)"
-    launcher = ["python"]
+    launcher, nodes = ["python"], ""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's processes on this node
     if world > 1:
-        launcher = ["torchrun", f"--nproc_per_node={world}"]
+        launcher = ["torchrun", f"--nproc_per_node={per_node}"]
+    if per_node < world:  # several nodes: each starts its agent again, meeting where they met before
+        launcher[1:1] = [f"--nnodes={world // per_node}"]
+        nodes = " (on every node, with this job's --rdzv-* flags)"
     again = shlex.join(launcher + ["train.py"] + [a for a in run.argv if a != "--resume"] + ["--resume"])
-    return f"checkpoint {run.ckpt} holds step {step}; resume with: {again}"
+    return f"checkpoint {run.ckpt} holds step {step}; resume with: {again}{nodes}"
 
 def recompute_cost(config, T):
     """' | recompute ...': the blocks recomputed and the forward FLOPs they add to a step, as a
@@ -375,12 +379,15 @@ def save_checkpoint(path, model, optimizer, scaler, step, pos, run, rank, world)
              "precision": precision_of(run)}
     if rank != 0:
         return
+    before = "the previous one is intact"
+    if not os.path.exists(path):
+        before = "no checkpoint has been written yet"
     try:
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)  # a crash mid-write leaves the previous checkpoint intact
     except (OSError, RuntimeError) as e:  # torch.save reports a file it cannot open as a RuntimeError
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[-1]
-        raise ValueError(f"could not write the checkpoint {path} ({reason}); the previous one is intact") from None
+        raise ValueError(f"could not write the checkpoint {path} ({reason}); {before}") from None
     finally:
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
