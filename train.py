@@ -4,11 +4,11 @@ Each flag is a speed-up the other scripts measure: --tf32, --bf16 / --fp16, --at
 then the whole step, micro-batches and all-reduce included, one CUDA graph: --no-cuda-graph), --fp8 (H100/H200, in
 the block layers wide enough to gain); on by default, the output layer fused with the loss (--no-fused-ce turns it
 off), each residual add fused with the LayerNorm after it (--no-fused-norms), the MLP's and c_proj's biases added by
-those kernels (--no-fused-bias), cuBLAS without a workspace, so no memset runs before each matmul (--cublas-
-workspace keeps PyTorch's), the tied embedding's gradient added into the fused loss's, AdamW's matrices stepped by
-gpt.py's kernel, in one process with --bf16 the blocks' weights kept in bf16 by the optimizer, cast once a step
-(--no-master-weights) and, on a GPU in bf16/fp16, flash_triton.py's attention (--attn sdpa for SDPA's). The loop
-never makes the GPU wait: a step's loss is read back while the GPU runs the next. Several GPUs: torchrun, data
+those kernels (--no-fused-bias), cuBLAS without a workspace, so no memset runs before each matmul
+(--cublas-workspace keeps PyTorch's), the tied embedding's gradient added into the fused loss's, AdamW's matrices
+stepped by gpt.py's kernel, in one process with --bf16 the blocks' weights kept in bf16 by the optimizer, cast once
+a step (--no-master-weights) and, on a GPU in bf16/fp16, flash_triton.py's attention (--attn sdpa for SDPA's). The
+loop never makes the GPU wait: a step's loss is read back while the GPU runs the next. Several GPUs: torchrun, data
 parallel (the gradients averaged by one all-reduce after backward, inside the graph) or --fsdp (FSDP2: weights,
 gradients and optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C
 saves --ckpt and prints how to resume. --nvtx names each step and its phases for Nsight Systems (nsys profile
