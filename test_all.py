@@ -232,7 +232,7 @@ print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
 def test_adamw_kernel_matches_torch():
     """The AdamW kernel (CUDA's path of gpt.adamw_step; here interpreted) = its PyTorch path, which is torch's AdamW
     op for op: parameters and moments over three steps, a ragged last block included, with fp32 gradients (gpt.AdamW's
-    matrices) and with bf16 ones and a bf16 copy written (MasterWeights')."""
+    matrices) and with bf16 ones and a bf16 copy written (MasterWeights'), the latter with lr read from a tensor."""
     assert "kernel ok" in run("-c", r"""
 import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
 gen = torch.Generator().manual_seed(0)
@@ -249,8 +249,11 @@ for low in (False, True):
         param, m, v, copy = torch_side
         gpt.adamw_step(param, grad, m, v, step, *settings, scale, copy if low else None)
         param, m, v, copy = kernel_side
-        gpt._adamw[(2,)](param, grad, m, v, copy, param if scale is None else scale, step, n, *settings,
-                         SCALED=scale is not None, LOW=low, BLOCK=4096)
+        lr, rest = settings[0], settings[1:]
+        if low:  # the learning rate read from a tensor, as a CUDA graph of the step passes it
+            lr = torch.tensor(lr)
+        gpt._adamw[(2,)](param, grad, m, v, copy, param if scale is None else scale, step, n, lr, *rest,
+                         SCALED=scale is not None, LOW=low, LR_ON_GPU=low, BLOCK=4096)
     for a, b in zip(torch_side[:3], kernel_side[:3]):  # parameter, m, v: fp32 rounding apart at most
         assert (a - b).abs().max() <= 1e-6 * a.abs().max(), (low, (a - b).abs().max())
     if low:  # the interpreter truncates bf16 casts, the GPU rounds: the copy within one bf16 step of its master
