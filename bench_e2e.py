@@ -4,14 +4,15 @@ The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from
 train.py's headline (our Triton attention, fused biases, cuBLAS without a workspace, the tied weight's gradient
 summed in place, AdamW's own kernel, bf16 weights kept by the optimizer), then levers on the headline (GELU inside
 the MLP's matmuls, FP8 forced onto every block Linear), all rungs in the same rounds of gpt.py's timer (paired
-ratios); --rungs times a few. --nanogpt times nanoGPT's model.py against the headline the same way. The sweep
-splits a step into forward, backward and optimizer by model, batch, context and vocabulary; --warmup-table shows
-what the first steps pay for; --profile groups the step's kernels and sets each group against its limit; --nvtx
-names the phases for Nsight Systems.
+ratios); --rungs times a few. --nanogpt times nanoGPT's model.py against the headline the same way (under torchrun:
+both data parallel, each beside its one-GPU step). The sweep splits a step into forward, backward and optimizer by
+model, batch, context and vocabulary; --warmup-table shows what the first steps pay for; --profile groups the step's
+kernels and sets each group against its limit; --nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
     python bench_e2e.py --ladder --rungs 14,15,16,17   # the rung before the headline, it, and its two levers
     python bench_e2e.py --nanogpt ../nanoGPT
+    torchrun --nproc_per_node=2 bench_e2e.py --nanogpt ../nanoGPT   # nanoGPT + DDP against train.py's data parallel
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
     python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --vocab 50304 --bf16 --compile --mode train --profile
@@ -354,15 +355,26 @@ def headline_step(bench, x, y):
 def built_step(make, step, x, y):  # gpt.lazily's make(): the variant built at its first call, then its step
     return partial(step, make(), x, y)
 
+def ranks_text(n, gpu):  # "one GPU", "2 GPUs"; on the CPU "one process", "2 processes"
+    unit = "GPU"
+    if not gpu:
+        unit = "process"
+    if n == 1:
+        return f"one {unit}"
+    if gpu:
+        return f"{n} GPUs"
+    return f"{n} processes"
+
 def nanogpt_variants(module, config, device, x, y, world, quiet):
-    """({name: a step built at its first call}, the baseline's name). One process: nanoGPT as its train.py runs it
-    (cuBLAS's workspace on) and, on a GPU, with the headline's cuBLAS setting too (how much of the lead is that
-    switch, which any model can take); ours with and without the fused loss. Under torchrun: each one's step on one
-    GPU (every rank alone, no communication) and data parallel on all of them; ours as train.py runs it on several
-    (without the bf16 weights kept by the optimizer) and with them."""
+    """({name: a step built at its first call}, {name: (ranks it runs on, the one-rank row it scales from)}, the
+    baseline's name). One process: nanoGPT as its train.py runs it (cuBLAS's workspace on) and, on a GPU, with the
+    headline's cuBLAS setting too (how much of the lead is that switch, which any model can take); ours with and
+    without the fused loss. Under torchrun: each one's step on one GPU (every rank alone, no communication) and data
+    parallel on all of them; ours as train.py runs it on several (without the bf16 weights kept by the optimizer)
+    and with them."""
     gpu = device.type == "cuda"
     headline = headline_settings(gpu)
-    makers = {}  # name: (build(), step(bench, x, y))
+    makers, spans = {}, {}  # name: (build(), step(bench, x, y)); name: (ranks, one-rank row)
     if world == 1:
         base = "nanoGPT model.py"
         makers[base] = (partial(build_nanogpt, module, config, device), nanogpt_step)
@@ -373,15 +385,19 @@ def nanogpt_variants(module, config, device, x, y, world, quiet):
             partial(build_headline, config, {**headline, "fused_ce": False}, device), headline_step)
         makers["ours, the headline"] = (partial(build_headline, config, headline, device), headline_step)
     else:
-        base = f"nanoGPT model.py + DDP, {world} GPUs"
-        makers["nanoGPT model.py, one GPU"] = (partial(build_nanogpt, module, config, device), nanogpt_step)
+        one, many = ranks_text(1, gpu), ranks_text(world, gpu)
+        theirs_alone, ours_alone = f"nanoGPT model.py, {one}", f"ours, {one}"
+        base = f"nanoGPT model.py + DDP, {many}"
+        makers[theirs_alone] = (partial(build_nanogpt, module, config, device), nanogpt_step)
         makers[base] = (partial(build_nanogpt, module, config, device, ddp=True), nanogpt_step)
-        makers["ours, one GPU"] = (partial(build_headline, config, headline, device), headline_step)
-        makers[f"ours, {world} GPUs"] = (
+        makers[ours_alone] = (partial(build_headline, config, headline, device), headline_step)
+        makers[f"ours, {many}"] = (
             partial(build_headline, config, {**headline, "master": False}, device, world), headline_step)
+        spans[base], spans[f"ours, {many}"] = (world, theirs_alone), (world, ours_alone)
         if headline["master"]:
-            makers[f"ours, {world} GPUs, bf16 weights kept"] = (
+            makers[f"ours, {many}, bf16 weights kept"] = (
                 partial(build_headline, config, headline, device, world), headline_step)
+            spans[f"ours, {many}, bf16 weights kept"] = (world, ours_alone)
     note = "compiling..."
     if not gpu:
         note = "first step"
@@ -391,7 +407,8 @@ def nanogpt_variants(module, config, device, x, y, world, quiet):
         if not quiet:
             say = f"  {name}: {note}"
         variants[name] = lazily(partial(built_step, make, step, x, y), device, note=say)
-    return variants, base
+        spans.setdefault(name, (1, None))
+    return variants, spans, base
 
 def headline_settings(gpu):
     """The ladder's headline rung; on the CPU a smoke run: no compile, no CUDA graphs, fp32 (no bf16 weights)."""
@@ -402,52 +419,46 @@ def headline_settings(gpu):
 
 def run_nanogpt(path, module, config, B, T, device, plan, rank=0, world=1):
     x, y = batch_of(B, T, device)
-    variants, base = nanogpt_variants(module, config, device, x, y, world, quiet=rank != 0)
+    gpu = device.type == "cuda"
+    variants, spans, base = nanogpt_variants(module, config, device, x, y, world, quiet=rank != 0)
     if rank == 0:
         print(f"timing nanoGPT's model.py and ours together: {plan.warmup} warm-up steps each, then "
               f"{plan.rounds} rounds of {plan.steps} steps", file=sys.stderr, flush=True)
     times, peaks = timed(variants, device, plan, quiet=rank != 0)
+    if rank != 0:
+        return None
     stats = summarize(times, peaks=peaks)
-    headers = ["variant", "ms/step, median (min-max)", "tokens/s (all its GPUs)", f"tokens/s vs {base} (paired)"]
+    headers = ["variant", "ms/step, median (min-max)", "tokens/s (all its ranks)", f"tokens/s vs {base} (paired)"]
     if world > 1:
-        headers.append("scaling: tokens/s vs its one-GPU step (paired)")
+        headers.append(f"scaling: tokens/s vs its step on {ranks_text(1, gpu)} (paired)")
     headers.append("peak alloc (GiB)")
     rows = []
     for name, t in stats.items():
-        gpus = 1
-        if name.startswith(("ours, ", "nanoGPT model.py + DDP")) and "one GPU" not in name:
-            gpus = world
+        ranks, alone = spans[name]
         if t is None:
             rows.append([name, "OOM"] + ["-"] * (len(headers) - 3) + ["n/a"])
             continue
         vs = "-"
         if name != base:
-            vs = speedup(times, name, base, work=gpus / world)
-        row = [name, t.ms(), f"{gpus * B * T / t.median * 1e3:,.0f}", vs]
+            vs = speedup(times, name, base, work=ranks / world)
+        row = [name, t.ms(), f"{ranks * B * T / t.median * 1e3:,.0f}", vs]
         if world > 1:
-            one = "-"
-            if gpus > 1:
-                one = speedup(times, name, one_gpu_name(name), work=world)
-            row.append(one)
+            scaling = "-"
+            if alone is not None:
+                scaling = speedup(times, name, alone, work=world)
+            row.append(scaling)
         row.append("n/a" if t.peak is None else gib(t.peak))
         rows.append(row)
-    how = "bf16, compiled, fused AdamW" if device.type == "cuda" else "fp32, eager (CPU smoke run)"
-    if rank != 0:
-        return None
+    how = "bf16, compiled, fused AdamW" if gpu else "fp32, eager (CPU smoke run)"
     print(f"\nnanoGPT ({os.path.abspath(path)}) against train.py's headline: {config.n_layer} layers, B={B} T={T} "
-          f"per GPU, vocab 50304, {how}, clip 1.0; {plan.rounds} rounds of {plan.steps} steps")
+          f"per rank, vocab 50304, {how}, clip 1.0; {plan.rounds} rounds of {plan.steps} steps")
     print_table(headers, rows)
     if world == 1:
         return f"nanogpt: the headline makes {speedup(times, 'ours, the headline', base)} nanoGPT's tokens/s"
-    ours = f"ours, {world} GPUs"
-    return (f"nanogpt: on {world} GPUs ours makes {speedup(times, ours, base)} nanoGPT + DDP's tokens/s; scaling "
-            f"{speedup(times, ours, 'ours, one GPU', work=world)} (ours), "
-            f"{speedup(times, base, 'nanoGPT model.py, one GPU', work=world)} (nanoGPT + DDP) of its one-GPU step")
-
-def one_gpu_name(name):  # the row a data-parallel row scales from
-    if name.startswith("ours"):
-        return "ours, one GPU"
-    return "nanoGPT model.py, one GPU"
+    ours = f"ours, {ranks_text(world, gpu)}"
+    return (f"nanogpt: on {ranks_text(world, gpu)} ours makes {speedup(times, ours, base)} nanoGPT + DDP's tokens/s; "
+            f"scaling {speedup(times, ours, spans[ours][1], work=world)} (ours), "
+            f"{speedup(times, base, spans[base][1], work=world)} (nanoGPT + DDP) of its step on {ranks_text(1, gpu)}")
 
 
 # --- 3. the sweep: forward / forward+backward / train step by model, vocab, batch and context

@@ -1374,6 +1374,14 @@ def test_bench_e2e_nanogpt_cpu():
         assert list(rows) == ["nanoGPT model.py", "ours, plain loss (--no-fused-ce)", "ours, the headline"], out
         assert all(rows[n].count("x (") == 1 for n in list(rows)[1:]) and "x (" not in rows["nanoGPT model.py"], out
         assert out.strip().splitlines()[-1].startswith("nanogpt: the headline makes "), out
+        # under torchrun: nanoGPT + DDP against our data-parallel step, each with its scaling over one rank's step
+        out = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "bench_e2e.py", "--nanogpt",
+                  tmp, *"--device cpu --batch 1 --seq 16 --rounds 2".split(), timeout=300).stdout
+        rows = {line[:36].strip(): line for line in out.splitlines() if line.startswith(("nanoGPT model", "ours, "))}
+        assert list(rows) == ["nanoGPT model.py, one process", "nanoGPT model.py + DDP, 2 processes",
+                              "ours, one process", "ours, 2 processes"], out
+        assert rows["ours, 2 processes"].count("x (") == 2 and rows["ours, one process"].count("x (") == 1, out
+        assert out.strip().splitlines()[-1].startswith("nanogpt: on 2 processes ours makes "), out
         other = os.path.join(tmp, "other.py")
         open(other, "w").write("x = 1\n")
         os.remove(os.path.join(tmp, "model.py"))
