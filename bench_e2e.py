@@ -2,15 +2,15 @@
 
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
 train.py's headline (our Triton attention, fused biases, cuBLAS without a workspace, the tied weight's gradient
-summed in place, AdamW's own kernel, bf16 weights kept by the optimizer), then levers on the headline (GELU inside
-the MLP's matmuls, FP8 forced onto every block Linear), all rungs in the same rounds of gpt.py's timer (paired
-ratios); --rungs times a few. --nanogpt times nanoGPT's model.py against the headline the same way (under torchrun:
-both data parallel, each beside its one-GPU step). The sweep splits a step into forward, backward and optimizer by
-model, batch, context and vocabulary; --warmup-table shows what the first steps pay for; --profile groups the step's
-kernels and sets each group against its limit; --nvtx names the phases for Nsight Systems.
+summed in place, AdamW's own kernel, bf16 weights kept by the optimizer), then a lever on the headline (FP8 forced
+onto every block Linear), all rungs in the same rounds of gpt.py's timer (paired ratios); --rungs times a few.
+--nanogpt times nanoGPT's model.py against the headline the same way (under torchrun: both data parallel, each
+beside its one-GPU step). The sweep splits a step into forward, backward and optimizer by model, batch, context and
+vocabulary; --warmup-table shows what the first steps pay for; --profile groups the step's kernels and sets each
+group against its limit; --nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
-    python bench_e2e.py --ladder --rungs 14,15,16,17   # the rung before the headline, it, and its two levers
+    python bench_e2e.py --ladder --rungs 14,15,16   # the rung before the headline, it, and its FP8 lever
     python bench_e2e.py --nanogpt ../nanoGPT
     torchrun --nproc_per_node=2 bench_e2e.py --nanogpt ../nanoGPT   # nanoGPT + DDP against train.py's data parallel
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
@@ -42,7 +42,7 @@ from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, 
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
 HEADLINE = "+ bf16 weights kept by the optimizer"  # = python train.py --vocab 50304 --bf16 --compile (on a GPU)
-GELU_RUNG, FP8_RUNG = "+ GELU inside the MLP's matmuls", "+ FP8 block Linears (forced)"
+FP8_RUNG = "+ FP8 block Linears (forced)"
 LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ TF32 matmuls", {"tf32": True}),
           ("+ bf16 autocast", {"dtype": torch.bfloat16}),
@@ -60,15 +60,12 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ AdamW's matrices by our kernel", {"adamw_kernel": True}),  # gpt.AdamW: one launch of _adamw each
           (HEADLINE, {"master": True}),  # gpt.MasterWeights: the weights cast once a step, by the optimizer
           # levers past the headline: each is the headline plus its own change, timed against the headline
-          (GELU_RUNG, {"gelu_mm": True, "fused_bias": False}),  # GeluMLP adds the MLP's biases itself
           (FP8_RUNG, {"fp8": True, "master": False}))  # FP8 Linears cast their own weights (as train.py --fp8)
 LEVER_NOTES = {  # printed under the table for each lever that ran
-    GELU_RUNG: "gpt.GeluMLP, c_fc's output read through GELU by the matmuls around it (Triton kernels): GELU's "
-               "output and the gradient before it never written; not in train.py",
     FP8_RUNG: "gpt.use_fp8(model, min_width=0), all four Linears of each block; by default use_fp8 (train.py "
               f"--fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)"}
 FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False, "graphs": False,
-              "fused_ce": False, "fused_norms": False, "fused_bias": False, "master": False, "gelu_mm": False,
+              "fused_ce": False, "fused_norms": False, "fused_bias": False, "master": False,
               "fp8": False, "cublas_workspace": True, "embedding_into_dw": False,
               "adamw_kernel": False}
 RUNG_NUMBERS = {name: i + 1 for i, (name, _) in enumerate(LADDER)}  # as the table and --rungs number them
@@ -120,7 +117,7 @@ class Plan:
 
 def build(config, s, device):
     config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"],
-                     fused_norms=s["fused_norms"], fused_bias=s["fused_bias"], gelu_in_matmul=s["gelu_mm"],
+                     fused_norms=s["fused_norms"], fused_bias=s["fused_bias"],
                      embedding_into_dw=s["embedding_into_dw"])
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU: a 2.7B model takes minutes on the CPU

@@ -52,7 +52,6 @@ class GPTConfig:
     vocab_size: int = GPT2_VOCAB
     attn: str = "sdpa"  # see ATTENTION; chosen once, when the model is built
     fused_ce: bool = True  # training loss through LinearCrossEntropy (section 4)
-    gelu_in_matmul: bool = False  # the MLP through GeluMLP (section 6)
     recompute: int = 0  # activation checkpointing of every recompute-th block (1: all, 0: none)
     fused_norms: bool = False  # each residual add fused with the LayerNorm after it (section 5; not with recompute)
     fused_bias: bool = False  # the MLP's and c_proj's biases added by those kernels too (section 5; with fused_norms)
@@ -92,8 +91,6 @@ def check_config(config):
         raise ValueError(f"--recompute {config.recompute} must be between 1 and the {config.n_layer} layers")
     if config.fused_bias and not config.fused_norms:
         raise ValueError("fused_bias needs fused_norms: the add + LayerNorm kernels add c_proj's biases")
-    if config.fused_bias and config.gelu_in_matmul:
-        raise ValueError("fused_bias and gelu_in_matmul both take the MLP's biases: choose one")
     return config
 
 
@@ -216,15 +213,12 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.gelu_in_matmul = config.gelu_in_matmul
         self.c_fc = nn.Linear(config.n_embd, config.d_ff)
         self.c_proj = nn.Linear(config.d_ff, config.n_embd)
 
     def forward(self, x, fused_bias=False):
         """fused_bias: c_fc's bias added by the GELU kernel, c_proj's left to the caller's add + LayerNorm (section
         5): each bias gradient summed by the kernel that writes the gradient it sums, not by a pass of its own."""
-        if self.gelu_in_matmul:  # the same function, GELU applied inside the matmuls around it (section 6)
-            return GeluMLP.apply(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
         if fused_bias:
             h = project(self.c_fc, x, bias=False)  # (..., d_ff): c_fc's matmul only
             return project(self.c_proj, bias_gelu(h, self.c_fc.bias), bias=False)
@@ -589,7 +583,7 @@ def add_layer_norm(x, y, norm, out_dtype, y_bias=None):
 # column sums of dh, the bias gradient, instead of a second read of dh (100 MB a layer in gpt2's step) for it.
 BIAS_GELU_TILE = (32, 1024, 4)  # (rows, columns, warps) a program, as first written: not searched
 
-# GPT-2's GELU and its derivative in Triton, for this kernel and section 6's matmuls
+# GPT-2's GELU and its derivative in Triton, for the bias + GELU kernel
 GELU_K = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi): GPT-2's tanh GELU is x * sigmoid(2u)
 
 
@@ -655,104 +649,7 @@ def bias_gelu(h0, b):
     return F.gelu(h0 + b.to(h0.dtype), approximate="tanh")
 
 
-# --- 6. the MLP with GELU inside its matmuls: GELU's input h (N x 4d) is written once, by c_fc, and read by the
-# matmuls around it, which apply GELU (or its derivative) to their tiles in registers; GELU's output and the gradient
-# of h before GELU never exist. Unfused (Inductor), a step writes and reads them: about 0.6 GB a layer in gpt2.
-# Measured on an H100 it loses (the train step 0.67x as fast): a tile's GELU is recomputed for every column tile
-# of the output, on the CUDA cores, inside the loop the tensor cores wait on. Kept as the counter-example.
-
-@triton.jit
-def _matmul(A, B, C, H, bias, M, N, K, sam, sak, sbk, sbn, scm, scn, shm, shn,
-            GELU_A: tl.constexpr, GELU_B: tl.constexpr, GELU_GRAD: tl.constexpr, BIAS: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # C (M, N) = A (M, K) @ B (K, N), any strides, fp32 accumulation; GELU applied to A's or B's tiles as they are
-    # loaded, C multiplied by GELU'(H) and/or bias added as it is stored.
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    group, in_group = pid // (GROUP_M * tiles_n), pid % (GROUP_M * tiles_n)  # GROUP_M row tiles share B's tiles
-    group_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - group * GROUP_M, GROUP_M)
-    rows = (group * GROUP_M + in_group % group_rows) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (in_group // group_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        ks = k + tl.arange(0, BLOCK_K)
-        a = tl.load(A + rows[:, None] * sam + ks[None, :] * sak, mask=(rows[:, None] < M) & (ks[None, :] < K),
-                    other=0.0)
-        b = tl.load(B + ks[:, None] * sbk + cols[None, :] * sbn, mask=(ks[:, None] < K) & (cols[None, :] < N),
-                    other=0.0)
-        if GELU_A:  # GELU(0) = 0: the masked zeros stay zeros
-            a = _gelu(a.to(tl.float32)).to(B.dtype.element_ty)
-        if GELU_B:
-            b = _gelu(b.to(tl.float32)).to(A.dtype.element_ty)
-        acc = tl.dot(a, b, acc)
-    inside = (rows[:, None] < M) & (cols[None, :] < N)
-    if BIAS:
-        acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if GELU_GRAD:
-        h = tl.load(H + rows[:, None] * shm + cols[None, :] * shn, mask=inside, other=0.0)
-        acc *= _gelu_grad(h.to(tl.float32))
-    tl.store(C + rows[:, None] * scm + cols[None, :] * scn, acc.to(C.dtype.element_ty), mask=inside)
-
-
-def gelu_matmul(a, b, bias=None, gelu_a=False, gelu_b=False, grad_of=None):
-    """a @ b, with GELU applied to a or to b first, bias added, or the product multiplied by GELU'(grad_of) (a
-    tensor shaped like the product). The kernel on a GPU; on a CPU the same in PyTorch."""
-    if a.is_cuda:
-        M, K = a.shape
-        N = b.shape[1]
-        c = a.new_empty(M, N)
-        # a stands in for an H or a bias the kernel does not read: the output it writes is never passed twice
-        h = a if grad_of is None else grad_of
-        blocks = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
-        grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(N, blocks["BLOCK_N"]),)
-        _matmul[grid](a, b, c, h, a if bias is None else bias, M, N, K, *a.stride(), *b.stride(), *c.stride(),
-                      *h.stride(), GELU_A=gelu_a, GELU_B=gelu_b, GELU_GRAD=grad_of is not None,
-                      BIAS=bias is not None, **blocks, num_warps=8, num_stages=3)
-        return c
-    if gelu_a:
-        a = F.gelu(a.float(), approximate="tanh").to(a.dtype)
-    if gelu_b:
-        b = F.gelu(b.float(), approximate="tanh").to(b.dtype)
-    c = (a.float() @ b.float())
-    if bias is not None:
-        c = c + bias.float()
-    if grad_of is not None:  # GELU'(h), as _gelu_grad writes it
-        x = grad_of.float()
-        s = torch.sigmoid((x + 0.044715 * x**3) * GELU_K.value)
-        c = c * (s + x * s * (1 - s) * GELU_K.value * (1 + 3 * 0.044715 * x**2))
-    return c.to(a.dtype)
-
-
-class GeluMLP(torch.autograd.Function):
-    """c_proj(gelu(c_fc(x))) forward and backward, with GELU inside the matmuls (gelu_matmul): forward, c_fc's
-    matmul writes h and c_proj's reads it through GELU; backward, c_proj's weight gradient reads h through GELU, and
-    the matmul making the gradient of GELU's output multiplies it by GELU'(h) before storing it. It saves x and h,
-    as the unfused MLP does once Inductor recomputes GELU's output."""
-
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2):
-        dtype = matmul_dtype(x)  # the matmuls in the autocast dtype, as nn.Linear's would be
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (N, d)
-            w1c, w2c = w1.to(dtype), w2.to(dtype)  # (f, d), (d, f)
-            h = torch.addmm(b1.to(dtype), x2, w1c.t())  # (N, f): c_fc
-            y = gelu_matmul(h, w2c.t(), bias=b2.to(dtype), gelu_a=True)  # (N, d): c_proj(gelu(h))
-        ctx.save_for_backward(x2, w1c, h, w2c)
-        return y.view(*x.shape[:-1], w2.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, w1c, h, w2c = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1]).to(h.dtype)  # (N, d)
-        dw2 = gelu_matmul(dy2.t(), h, gelu_b=True)  # (d, f) = dy^T gelu(h)
-        dh = gelu_matmul(dy2, w2c, grad_of=h)  # (N, f) = (dy W2) * gelu'(h)
-        dx = dh @ w1c  # (N, d)
-        dw1 = dh.t() @ x2  # (f, d)
-        db1, db2 = dh.float().sum(0), dy2.float().sum(0)
-        return dx.view(*dy.shape[:-1], x2.shape[1]), dw1, db1, dw2, db2
-
-
-# --- 7. FP8 matmuls (H100/H200), twice the bf16 rate: e4m3 activations and weights, e5m2 gradients, amax scales
+# --- 6. FP8 matmuls (H100/H200), twice the bf16 rate: e4m3 activations and weights, e5m2 gradients, amax scales
 
 E4M3 = torch.float8_e4m3fn  # 3 mantissa bits, max 448: activations and weights
 E5M2 = torch.float8_e5m2  # 2 mantissa bits, max 57344: gradients, whose range is wider
@@ -830,7 +727,7 @@ def use_fp8(model, min_width=FP8_MIN_WIDTH):
 # Part 2: the shared tools: optimizer, compilation, FSDP2, a training step, FLOPs and MFU, tokenizer, timer, helpers
 # ====================================================================================================================
 
-# --- 8. optimizer, compilation, sharding and one training step
+# --- 7. optimizer, compilation, sharding and one training step
 
 def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
     """The model's AdamW (adamw below), over every parameter that trains."""
@@ -1254,7 +1151,7 @@ def step_state(model, optimizer):
     return tensors
 
 
-# --- 9. FLOPs and MFU
+# --- 8. FLOPs and MFU
 
 def flops_per_token(config, seq_len):
     """Training FLOPs per token: 6 per matmul parameter (2 forward, 4 backward) plus attention's QK^T and PV,
@@ -1316,7 +1213,7 @@ def step_bytes(config, B, T, bf16):
     return 16 * params + activations + logit_rows * config.vocab_size * 4
 
 
-# --- 10. tokenizer and data
+# --- 9. tokenizer and data
 
 R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 BPE_DIR = os.path.join(HERE, "gpt2_bpe")
@@ -1350,7 +1247,7 @@ def load_tokens(path=INPUT_TXT):
     return torch.tensor(gpt2_tokenizer().encode_ordinary(text), dtype=torch.long)
 
 
-# --- 11. the one timer: variants in rounds (A B C, B C A, ...) as a shared GPU's speed drifts; ratios paired per round
+# --- 10. the one timer: variants in rounds (A B C, B C A, ...) as a shared GPU's speed drifts; ratios paired per round
 
 def clock(device):
     """A time stamp. On a GPU, an event queued behind the work already queued: it fires when the GPU gets there,
@@ -1484,7 +1381,7 @@ def compare(variants, device, baseline=None, rounds=20, steps=3, warmup=2, progr
     times, peaks = time_rounds(variants, device, rounds, steps, warmup, progress=progress)
     return summarize(times, baseline, peaks)
 
-# --- 12. small helpers: flags, device, precision, memory, errors, paths, tables
+# --- 11. small helpers: flags, device, precision, memory, errors, paths, tables
 
 # Flags: argparse `type=` helpers, the one way every script validates a number. A bad value is argparse's own error:
 # one sentence naming the flag as the last line, exit status 2, no traceback.
