@@ -87,6 +87,8 @@ def check_config(config):
         raise ValueError(f"vocab {config.vocab_size} is below the tokenizer's {GPT2_VOCAB} tokens")
     if config.attn not in ATTENTION:
         raise ValueError(f"unknown attention '{config.attn}'; choose from {', '.join(ATTENTION)}")
+    if config.attn == "triton" and not have_flash_triton():
+        raise ValueError("attention 'triton' is flash_triton.py's: copy it beside gpt.py, or choose sdpa")
     if not 0 <= config.recompute <= config.n_layer:
         raise ValueError(f"--recompute {config.recompute} must be between 1 and the {config.n_layer} layers")
     if config.fused_bias and not config.fused_norms:
@@ -153,11 +155,21 @@ ATTENTION = {  # --attn NAME
 GPU_ONLY_ATTENTION = ("cudnn", "efficient", "triton")
 
 
+def have_flash_triton():
+    """Whether flash_triton.py can be imported: it sits next to gpt.py here, but a script copied with gpt.py alone
+    runs without it, on SDPA."""
+    import importlib.util
+    return importlib.util.find_spec("flash_triton") is not None
+
+
 def default_attention(device, dtype, head_dim):
     """train.py's --attn default: our Triton kernels on a GPU for bf16/fp16 activations of a head dim they have
     tiles for (gpt2's train step on an H100: 1.021-1.025x as fast as with cuDNN), SDPA's own choice otherwise
-    (fp32 and head dims like 2.7B's 80)."""
+    (fp32 and head dims like 2.7B's 80, or flash_triton.py not copied beside gpt.py: said in one line)."""
     if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    if not have_flash_triton():
+        print("note: flash_triton.py is not beside gpt.py: attention by SDPA", file=sys.stderr)
         return "sdpa"
     from flash_triton import HEAD_DIMS
     if head_dim not in HEAD_DIMS:

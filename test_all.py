@@ -754,6 +754,42 @@ def test_train_two_nodes_on_one_machine_save_and_resume():
         assert "resumed from" in out and "at step 4" in out, out
         torch.testing.assert_close(first + second, reference()[0], **LAYOUT)
 
+def copied(*names):  # a fresh folder holding these files and folders of the repository, nothing else
+    folder = tempfile.mkdtemp()
+    for name in names:
+        if os.path.isdir(os.path.join(HERE, name)):
+            shutil.copytree(os.path.join(HERE, name), os.path.join(folder, name))
+        else:
+            shutil.copy(os.path.join(HERE, name), folder)
+    return folder
+
+def ran_in(folder, *args):  # `python args...` with folder as its directory: (stdout, stderr), exit status 0
+    p = subprocess.run([sys.executable, *map(str, args)], cwd=folder, env=env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, f"{args} in {sorted(os.listdir(folder))} exited {p.returncode}:\n{p.stdout[-2000:]}" \
+                              f"\n{p.stderr[-2000:]}"
+    return p.stdout, p.stderr
+
+def test_a_script_copied_with_gpt_py_alone_runs():
+    """The copy promise: each script with gpt.py (and the data it reads) in an empty folder runs there; train.py
+    without flash_triton.py (on a GPU its default attention falls back to SDPA and says so; --attn triton is
+    refused in one sentence); flash_triton.py alone runs its checks."""
+    data = ("input.txt", "gpt2_bpe")
+    out, _ = ran_in(copied("train.py", "gpt.py", *data), "train.py", "--steps", 3, "--eval-every", 3, "--batch", 2)
+    assert "summary: median step" in out, out
+    out, _ = ran_in(copied("flash_triton.py"), "flash_triton.py", "--shapes", "1x2x64x16")
+    assert out.strip().splitlines()[-1].endswith("ok"), out
+    for script, args in [("bench_e2e.py", "--batch 1 --seq 16 --rounds 1 --mode train"),
+                         ("bench_attention.py", "--impl naive,sdpa --d 16 --seq 32 --rounds 1 --steps 1 --warmup 1"),
+                         ("precision.py", "--only formats"), ("memory.py", "parallel"),
+                         ("ddp.py", "selftest --world 2 --backend gloo")]:
+        ran_in(copied(script, "gpt.py", *data), script, *args.split())
+    with unittest.mock.patch.object(gpt, "have_flash_triton", return_value=False):
+        with contextlib.redirect_stderr(io.StringIO()) as said:
+            assert gpt.default_attention("cuda", torch.bfloat16, 64) == "sdpa"
+        assert said.getvalue().count("\n") == 1 and "flash_triton.py is not beside gpt.py" in said.getvalue()
+        assert_raises("copy it beside gpt.py", gpt.make_config, "tiny", attn="triton")
+
 def test_train_master_weights_resume_exactly_and_share_checkpoints():
     """--bf16 in one process keeps bf16 weights in the model and fp32 masters in the optimizer (gpt.MasterWeights):
     stopped and resumed, every loss is the whole run's, and it loses as autocast does; its checkpoint holds the fp32
