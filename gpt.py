@@ -354,8 +354,9 @@ class GPT(nn.Module):
         return idx
 
 
-# --- 4. the output layer and the loss, fused over chunks of rows: the [N, V] logits (1.6 GB in bf16 at N=16,384)
-# never exist. A kernel turns each chunk's logits into their gradient, at once multiplied into dx and dW, in forward.
+# --- 4. lever: the output layer and the loss, fused over chunks of rows: the [N, V] logits (1.6 GB in bf16 at
+# N=16,384) never exist. A kernel turns each chunk's logits into their gradient, at once multiplied into dx and dW, in
+# forward. Buys 2.2 GiB of gpt2's step and 1.009x its speed (H100, the ladder); off: train.py --no-fused-ce.
 
 @triton.jit
 def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, n_valid, n_cols, BLOCK: tl.constexpr):
@@ -457,19 +458,20 @@ def linear_cross_entropy(x, weight, targets, chunk_rows=None):
     return LinearCrossEntropy.apply(x, weight, targets, chunk_rows or CE_CHUNK_ROWS)
 
 
-# --- 5. the residual add fused with the LayerNorm after it. A pre-LN block ends with x = x + branch and the next
-# branch starts with LN(x): forward, one kernel reads x (fp32) and the branch's output y (bf16) once and writes the
-# new x and LN(x) already in the matmuls' dtype; backward, one kernel reads r = x + y, LN's output gradient and the
-# gradient coming down the residual stream once, and writes the stream's gradient, the branch's gradient in its own
-# dtype and each program's partial sums for the LayerNorm's weight and bias. Per element of gpt2's 16,384 x 768
-# activations: forward 6 bytes read, 6 written; backward 10 read, 6 written. On an H100 the train step is about 3%
-# faster (1.026x and 1.033x, paired against the same model without it); alone, the forward takes 1.09x the time of
-# Inductor's own fused add + LayerNorm, so the gain is in the backward and the kernels around it.
-# GPT.fused_norm_blocks runs the blocks this way. With GPTConfig.fused_bias the same kernels also add c_proj's bias
-# to the branch (forward) and sum its gradient from the branch gradient they write (backward), and c_fc's bias goes
-# into GELU (bias_gelu below): a Linear's bias gradient is the column sum of its output's gradient, which otherwise
-# costs a pass of its own over that gradient (by the profile, 0.42 ms a step for gpt2's c_fc, 0.25 for both c_proj;
-# c_attn's stays in its matmul). The step: 1.008x and 1.013x as fast again, paired against the same without them.
+# --- 5. lever (off: train.py --no-fused-norms, --no-fused-bias): the residual add fused with the LayerNorm after it.
+# A pre-LN block ends with x = x + branch and the next branch starts with LN(x): forward, one kernel reads x (fp32)
+# and the branch's output y (bf16) once and writes the new x and LN(x) already in the matmuls' dtype; backward, one
+# kernel reads r = x + y, LN's output gradient and the gradient coming down the residual stream once, and writes the
+# stream's gradient, the branch's gradient in its own dtype and each program's partial sums for the LayerNorm's weight
+# and bias. Per element of gpt2's 16,384 x 768 activations: forward 6 bytes read, 6 written; backward 10 read, 6
+# written. On an H100 the train step is about 3% faster (1.026x and 1.033x, paired against the same model without it);
+# alone, the forward takes 1.09x the time of Inductor's own fused add + LayerNorm, so the gain is in the backward and
+# the kernels around it. GPT.fused_norm_blocks runs the blocks this way. With GPTConfig.fused_bias the same kernels
+# also add c_proj's bias to the branch (forward) and sum its gradient from the branch gradient they write (backward),
+# and c_fc's bias goes into GELU (bias_gelu below): a Linear's bias gradient is the column sum of its output's
+# gradient, which otherwise costs a pass of its own over that gradient (by the profile, 0.42 ms a step for gpt2's
+# c_fc, 0.25 for both c_proj; c_attn's stays in its matmul). The step: 1.008x and 1.013x as fast again, paired against
+# the same without them.
 
 # (rows per program, warps), searched alone at 16,384 x 768 on an H100 over 4-64 rows and 1-8 warps: forward
 # 59 us (16 rows and 4 warps: 61; its 12 bytes an element take 50 us at 3.0 TB/s); backward 80 us (16 rows and
@@ -661,7 +663,9 @@ def bias_gelu(h0, b):
     return F.gelu(h0 + b.to(h0.dtype), approximate="tanh")
 
 
-# --- 6. FP8 matmuls (H100/H200), twice the bf16 rate: e4m3 activations and weights, e5m2 gradients, amax scales
+# --- 6. lever, off by default: FP8 matmuls (H100/H200), twice the bf16 rate: e4m3 activations and weights, e5m2
+# gradients, amax scales. At gpt2's width the scaling costs more than the GEMMs save (0.85x, the ladder's FP8 rung):
+# train.py --fp8 converts only Linears 2048 wide or more.
 
 E4M3 = torch.float8_e4m3fn  # 3 mantissa bits, max 448: activations and weights
 E5M2 = torch.float8_e5m2  # 2 mantissa bits, max 57344: gradients, whose range is wider
@@ -739,7 +743,9 @@ def use_fp8(model, min_width=FP8_MIN_WIDTH):
 # Part 2: the shared tools: optimizer, compilation, FSDP2, a training step, FLOPs and MFU, tokenizer, timer, helpers
 # ====================================================================================================================
 
-# --- 7. optimizer, compilation, sharding and one training step
+# --- 7. the optimizer (AdamW's own kernel for the matrices; the bf16 weights it can keep: train.py
+# --no-master-weights), compilation, sharding, one training step and the whole step as one CUDA graph
+# (--no-cuda-graph), data parallel's gradient average
 
 def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
     """The model's AdamW (adamw below), over every parameter that trains."""
