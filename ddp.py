@@ -1184,9 +1184,10 @@ def traced_spans(path):
     which run on gloo's own threads."""
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    marks = [e for e in events if e["name"] == STEP_MARK]
+    # the CPU's ranges (the GPU's copies of them, "gpu_user_annotation", need not be there)
+    marks = [e for e in events if e["name"] == STEP_MARK and e.get("cat") == "user_annotation"]
     steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in marks)
-    kernels = [e for e in events if e.get("cat") == "kernel"]
+    kernels = [e for e in events if e.get("cat", "").lower() == "kernel"]  # (older kineto wrote "Kernel")
     if kernels:
         return steps, [(f"stream {e['args'].get('stream', e['tid'])}", collective(e["name"]), e["ts"],
                         e["ts"] + e["dur"]) for e in kernels]
@@ -1238,8 +1239,9 @@ def comm_overlap(steps, spans):
             kinds["all"] = [interval for kind in sorted(kinds) for interval in kinds[kind]]
         for kind, intervals in kinds.items():
             comm, total = merged(intervals), stats.setdefault(kind, [0, 0.0, 0.0])
-            for i, value in enumerate((len(intervals), sum(b - a for a, b in comm), shared_time(comm, compute))):
-                total[i] += value / len(measured)
+            total[0] += len(intervals) / len(measured)
+            total[1] += sum(b - a for a, b in comm) / len(measured)
+            total[2] += shared_time(comm, compute) / len(measured)
     return stats
 
 def print_traces(results, plot, gpu):
@@ -1276,9 +1278,10 @@ def plot_timelines(path, traced, stats, gpu):
                                        figsize=(11, 1 + 0.55 * sum(heights)), gridspec_kw={"height_ratios": heights})
     for ax, (label, (steps, spans)) in zip(axes[:, 0], traced.items()):
         (start, end), (order, names) = steps[-1], lanes[label]
+        inside = in_step(spans, steps[-1])
         for y, lane in enumerate(order):
             for kind, colour in COLOURS.items():
-                bars = merged((a, b) for at, k, a, b in in_step(spans, steps[-1]) if at == lane and k == kind)
+                bars = merged((a, b) for at, k, a, b in inside if at == lane and k == kind)
                 if bars:
                     ax.broken_barh([((a - start) / 1e3, (b - a) / 1e3) for a, b in bars], (y - 0.4, 0.8),
                                    color=colour, label=kind or "computation")
@@ -1317,7 +1320,8 @@ def print_bucket_sweep(swept, results, fit, config, gpu):
     numel, rows, model = sum(p.numel() for _, p in named), [], {}
     base, no_comm = results.get(LABELS["torch"], {}), results.get(LABELS["local"])
     for v in swept:
-        plan, size = plan_buckets([p for _, p in named], v.bucket_mb), 2 if v.bf16 else 4  # bytes an element sends
+        plan = plan_buckets([p for _, p in named], v.bucket_mb)
+        size = 2 if v.bf16 else 4  # the bytes a gradient element sends
         last, r = size * sum(p.numel() for p in plan[-1]), results[v.label]
         if fit:
             model[v] = (len(plan) * fit[0] + last / fit[1]) * 1e3
@@ -1339,10 +1343,10 @@ def print_bucket_sweep(swept, results, fit, config, gpu):
     for bf16 in sorted({v.bf16 for v in swept}):
         family = [v for v in swept if v.bf16 == bf16]
         done = [v for v in family if not results[v.label]["oom"]]
-        name = LABELS["bucket"]
+        wrapper = LABELS["bucket"]
         if bf16:
-            name += " bf16 comm"
-        line = f"bucket sweep, {name}: measured best "
+            wrapper += " bf16 comm"
+        line = f"bucket sweep, {wrapper}: measured best "
         if done:
             best = min(done, key=lambda v: results[v.label]["timing"]["median"])
             line += f"{best.bucket_mb:g} MB ({results[best.label]['timing']['median']:.1f} ms a step)"
@@ -1471,15 +1475,17 @@ def build_parser():
                     help=f"comma-separated, from: {','.join(LABELS)}; key:bf16 sends (fsdp: computes with) bf16")
     bm.add_argument("--plot", type=plot_path, help="save the step split per variant to this figure (.png, .pdf, "
                     ".svg, ...: the name's extension; needs matplotlib)")
-    bm.add_argument("--bucket-mb", type=bucket_list, default=[25], help="bucket size in MB (2^20 bytes) for BucketDDP, "
-                    "ZeRO and torch DDP; a comma list (1,10,100,1000) runs BucketDDP and ZeRO once per size (torch DDP "
-                    "takes the first) and prints the bucket sweep beside its overhead model")
-    bm.add_argument("--trace", help=f"write rank 0's torch.profiler trace (Chrome/Perfetto JSON) of "
-                    f"{TRACE_STEPS} steps of each variant after its rounds: PATH.json -> PATH.<variant>.json, e.g. "
-                    "ddp.overlap.json; prints each variant's communication per step and how much overlaps computation")
-    bm.add_argument("--plot-trace", type=plot_path, help="with --trace: draw one traced step of each variant to this "
-                    "figure, a panel each on one time axis, a lane per CUDA stream (CPU: per thread), computation and "
-                    "each collective in its colour")
+    bm.add_argument("--bucket-mb", type=bucket_list, default=[25], metavar="MB[,MB...]",
+                    help="bucket size in MB (2^20 bytes) for BucketDDP, ZeRO and torch DDP; a comma list "
+                    "(1,10,100,1000) runs BucketDDP and ZeRO once per size (torch DDP takes the first) and prints the "
+                    "bucket sweep beside its overhead model")
+    bm.add_argument("--trace", metavar="PATH.json",
+                    help=f"write rank 0's torch.profiler trace (Chrome/Perfetto JSON) of {TRACE_STEPS} steps of each "
+                    "variant after its rounds: PATH.json -> PATH.<variant>.json, e.g. ddp.overlap.json; prints each "
+                    "variant's communication per step and how much of it overlaps computation")
+    bm.add_argument("--plot-trace", type=plot_path, metavar="FIGURE",
+                    help="with --trace: draw one traced step of each variant to this figure, a panel each on one time "
+                    "axis, a lane per CUDA stream (CPU: per thread), computation and each collective in its colour")
     for p in (st, om, bm):
         p.add_argument("--world", type=int_in(1), default=2, help="ranks (default 2)")
         p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")

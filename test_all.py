@@ -1879,9 +1879,10 @@ def test_ddp_benchmark_trace_and_bucket_sweep():
     buckets = {mb: len(ddp.plan_buckets(params, mb)) for mb in (1, 10)}
     with tempfile.TemporaryDirectory() as tmp:
         picture = ["--plot-trace", f"{tmp}/timeline.png"] if importlib.util.find_spec("matplotlib") else []
-        out, err = main_ok("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--rounds", 1, "--steps", 1,
-                           "--warmup", 1, "--batch", 1, "--seq", 8, "--variants", "overlap,bucket",
-                           "--bucket-mb", "1,10", "--trace", f"{tmp}/ddp.json", *picture)
+        p = run("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--rounds", 1, "--steps", 1, "--warmup", 1,
+                "--batch", 1, "--seq", 8, "--variants", "overlap,bucket", "--bucket-mb", "1,10",
+                "--trace", f"{tmp}/ddp.json", *picture)  # (its own process: spawned ranks print past a capture)
+        out, err = p.stdout, p.stderr
         for tag in ("overlap", "bucket-1mb", "bucket-10mb"):
             with open(f"{tmp}/ddp.{tag}.json") as f:
                 names = [e["name"] for e in json.load(f)["traceEvents"]]
@@ -1911,6 +1912,7 @@ def test_ddp_trace_overlap_from_kernels():
         return {"ph": "X", "cat": "user_annotation", "name": ddp.STEP_MARK, "tid": 1, "ts": ts, "dur": dur}
     reduce, gather = "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ncclDevKernel_AllGather_RING_LL"
     events = [step(0, 100), kernel("sm90_gemm", 7, 10, 50), kernel(reduce, 20, 20, 60),  # the first step: left out
+              dict(step(5, 90), cat="gpu_user_annotation"),  # the GPU's copy of a step's range: not a step
               step(1000, 300), kernel("sm90_gemm", 7, 1000, 100), kernel("elementwise", 7, 1150, 50),
               kernel(reduce, 20, 1080, 80),  # beside computation 1080-1100 and 1150-1160
               kernel(gather, 21, 1250, 40)]  # after it
