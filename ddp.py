@@ -1,11 +1,14 @@
 """Data parallelism written out: four ways to average gradients (per tensor, one flat buffer, overlapping backward,
 ~25 MB buckets), then sharding the optimizer state (ZeRO-1), the gradients (ZeRO-2) and the weights (FSDP: each
-layer gathered just before it runs). Each is checked against one process on the whole batch, timed against torch's,
-beside the all-reduce they rest on and the optimizer memory that sharding saves.
+layer gathered just before it runs). Each is checked against one process on the whole batch, timed against torch's
+and traced (communication beside computation, a picture per step), beside the all-reduce they rest on, a bucket
+sweep with its overhead model, and the optimizer memory that sharding saves.
 
     python ddp.py selftest --world 2             # every class against one process on the whole batch
     python ddp.py benchmark --world 2            # GPT xl, B=4 per rank, T=512, bf16: every variant
     python ddp.py benchmark --variants local,torch,bucket,fsdp:bf16 --plot ddp.png
+    python ddp.py benchmark --variants naive,overlap,bucket,fsdp:bf16 --trace ddp.json --plot-trace ddp_timeline.png
+    python ddp.py benchmark --variants local,torch,bucket --bucket-mb 1,10,100,1000   # bucket sweep beside its model
     python ddp.py allreduce --plot allreduce.png # gloo (CPU) beside NCCL (GPU): 1 MiB to 1 GiB, worlds 2, 4, 6
     python ddp.py optimizer-memory --world 2     # AdamW's state per rank, whole vs ZeRO-1, counted vs predicted
 
@@ -13,14 +16,17 @@ Without a GPU everything runs on gloo at tiny sizes: a smoke run, not a measurem
 """
 
 import argparse
+import json
 import logging
+import math
 import os
 import signal
 import statistics
 import sys
 import tempfile
 import weakref
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 
@@ -29,10 +35,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from gpt import (GPT, Timing, check_host_memory, clock, configure_optimizer, elapsed_ms, fail, float_in, free_memory,
-                 fully_shard_gpt, gib, int_in, int_list, is_oom, lazily, make_config, on_device, plot_path, plot_to,
-                 print_table, round_up, run_main, set_tf32, step_bytes, summarize, synchronize, time_rounds, train_step)
+from gpt import (GPT, Timing, check_host_memory, check_output_path, clock, configure_optimizer, elapsed_ms, fail,
+                 float_in, free_memory, fully_shard_gpt, gib, int_in, int_list, is_oom, lazily, make_config, on_device,
+                 plot_path, plot_to, print_table, round_up, run_main, set_tf32, step_bytes, summarize, synchronize,
+                 time_rounds, train_step)
 
 # newer torch names the flat collectives *_single. gloo reduce-scatters by an all-reduce that keeps its slice (twice
 # the traffic, fine for a CPU smoke run); NCCL does the real thing. Both average inside.
@@ -101,21 +109,31 @@ class OverlapDDP(DataParallel):
             work.wait()  # on a GPU: the compute stream waits for NCCL's, the CPU goes on
         self.works = {}
 
+def plan_buckets(params, bucket_mb):
+    """params in reverse order (roughly the order backward finishes them) in buckets of at most bucket_mb MiB, each of
+    one dtype and device; a parameter above the cap gets a bucket of its own."""
+    buckets = [[]]
+    for p in params[::-1]:
+        b = buckets[-1]
+        full = sum(q.nbytes for q in b) + p.nbytes > bucket_mb * 2**20
+        if b and (full or (p.dtype, p.device) != (b[0].dtype, b[0].device)):
+            buckets.append([])
+        buckets[-1].append(p)
+    return buckets
+
 class BucketDDP(DataParallel):
     """Gradients in ~bucket_mb buckets in reverse order (roughly backward's), each all-reduced once complete. p.grad
     is a view into its bucket, so the average needs no copy back. comm_dtype=bfloat16 sends half."""
     def __init__(self, module, bucket_mb=25, comm_dtype=None):
         super().__init__(module)
         self.comm_dtype, self.world = comm_dtype, dist.get_world_size()
-        self.buckets, self.slot = [[]], {}  # slot: parameter -> (bucket, offset)
-        for p in self.trainable[::-1]:
-            b = self.buckets[-1]
-            full = sum(q.nbytes for q in b) + p.nbytes > bucket_mb * 2**20
-            if b and (full or (p.dtype, p.device) != (b[0].dtype, b[0].device)):
-                self.buckets.append([])  # (a parameter above the cap gets a bucket of its own)
-            self.slot[p] = (len(self.buckets) - 1, sum(q.numel() for q in self.buckets[-1]))
-            self.buckets[-1].append(p)
-            on_gradient(p, self.gradient_ready)
+        self.buckets, self.slot = plan_buckets(self.trainable, bucket_mb), {}  # slot: parameter -> (bucket, offset)
+        for i, bucket in enumerate(self.buckets):
+            offset = 0
+            for p in bucket:
+                self.slot[p] = (i, offset)
+                offset += p.numel()
+                on_gradient(p, self.gradient_ready)
         self.sizes = [sum(p.numel() for p in b) for b in self.buckets]  # elements per bucket
         self.grads = [None] * len(self.buckets)  # one flat gradient buffer per bucket, made when used
         self.arrived, self.next_bucket, self.works = [0] * len(self.buckets), 0, []
@@ -525,12 +543,16 @@ def run_selftest(world, backend, steps, timeout):
 # --- 5. all-reduce bandwidth: small messages pay latency, large ones the link's bandwidth
 MiB = 2**20
 
-def size_list(text):
-    """type= for --sizes: a comma list of MiB, each holding at least one float32 ("0.5,10" -> [0.5, 10.0])."""
+def comma_numbers(text, low, what):
+    """A comma list of numbers, each at least low ("0.5,10" -> [0.5, 10.0]); `what` names them in the error."""
     items = [item.strip() for item in text.split(",")]
     if not all(items):
-        raise argparse.ArgumentTypeError(f"expected a comma list of sizes in MiB, got '{text}'")
-    sizes = [float_in(0)(item) for item in items]
+        raise argparse.ArgumentTypeError(f"expected a comma list of {what}, got '{text}'")
+    return [float_in(low)(item) for item in items]
+
+def size_list(text):
+    """type= for --sizes: a comma list of MiB, each holding at least one float32."""
+    sizes = comma_numbers(text, 0, "sizes in MiB")
     if min(sizes) * MiB < 4:
         raise argparse.ArgumentTypeError(f"a size must hold at least one float32 (4 bytes), got {min(sizes):g} MiB")
     return sizes
@@ -734,18 +756,13 @@ def optimizer_memory_worker(rank, world, device, setup):
         memory[label] = gather(measure_first_step(key, setup, rank, device))
         free_memory()  # the variant's model is gone with measure_first_step's frame
     timed = {}
-    time_group([(label, key, False) for label, key in SHARDING.items()], timed, setup, rank, device, "BucketDDP")
+    time_group([Variant(label, key, False, setup.bucket_mb, key) for label, key in SHARDING.items()], timed, setup,
+               rank, device, "BucketDDP")
     return memory, timed
 
 def run_optimizer_memory(setup, config, world, backend, timeout):
     gpu = backend == "nccl"
-    with torch.device("meta"):
-        weights = 4 * GPT(config).num_params()
-    held = host_bytes(SHARDING.values(), config, setup.batch, setup.seq, gpu)
-    check_launch(world, backend, held, f"the optimizer-memory run of GPT {setup.model}")
-    where = f"{world} CPU processes over gloo, fp32 (no GPU: CPU defaults, a smoke run)"
-    if gpu:
-        where = f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast"
+    weights, where = prepare_run(setup, config, world, backend, SHARDING.values(), "the optimizer-memory run")
     print(f"optimizer state per rank, GPT {setup.model} ({weights / 4e6:.1f}M parameters) on {where}, torch "
           f"{torch.__version__}: B={setup.batch} per rank, T={setup.seq}; BucketDDP with AdamW on every rank vs "
           "ZeRO-1 (BucketDDP with ShardedOptimizer(AdamW)), bytes at the first step")
@@ -797,6 +814,7 @@ RESIDENT = {"local": (3, 0), "torch": (4, 0), "naive": (3, 0), "flat": (4, 0), "
             "sharded": (2, 2), "zero2": (1, 3), "fsdp": (0, 4), "fsdp2": (0, 4)}
 # key:bf16 is what torch DDP, BucketDDP and ZeRO send, and what FSDP gathers and computes with; key:fp32 is key
 BF16_KEYS = ("torch", "bucket", "sharded", "zero2", "fsdp")
+BUCKETED = ("bucket", "sharded", "zero2")  # built with --bucket-mb: a sweep runs them once per size
 VARIANTS = [name for key in LABELS for name in (key, key + ":fp32", key + ":bf16")
             if not name.endswith(":bf16") or key in BF16_KEYS]
 
@@ -810,6 +828,24 @@ def variant_list(text):
         raise argparse.ArgumentTypeError(f"unknown {unknown[0]!r}; choose from {', '.join(LABELS)} (key:bf16 for "
                                          f"{', '.join(BF16_KEYS)})")
     return variants
+
+def bucket_list(text):
+    """type= for benchmark's --bucket-mb: a comma list of bucket sizes in MB, each once ("1,10" -> [1.0, 10.0])."""
+    sizes = comma_numbers(text, 0.001, "bucket sizes in MB")
+    twice = [mb for mb in sizes if sizes.count(mb) > 1]
+    if twice:
+        raise argparse.ArgumentTypeError(f"{twice[0]:g} MB is listed twice")
+    return sizes
+
+@dataclass(frozen=True)
+class Variant:
+    """One benchmark row: the wrapper's key, whether it sends bf16 (FSDP: gathers and computes in it), the bucket
+    size it is built with, and its name in file names (--trace ddp.json writes ddp.<tag>.json)."""
+    label: str
+    key: str
+    bf16: bool
+    bucket_mb: float
+    tag: str
 
 @dataclass(frozen=True)
 class StepSetup:
@@ -887,10 +923,10 @@ def memory_groups(rows, config, batch, seq, backend, world, weights):
     budget = 0.9 * smallest - weights - 34 * batch * seq * config.n_embd * config.n_layer
 
     def held(group):  # each variant's resident copies of the weights; sharded copies are 1/world of them
-        return weights * sum(RESIDENT[key][0] + RESIDENT[key][1] / world for _, key, _ in group)
+        return weights * sum(RESIDENT[v.key][0] + RESIDENT[v.key][1] / world for v in group)
 
-    torch_ddp = [r for r in rows if r[1] == "torch" and not r[2]]
-    no_comm = [r for r in rows if r[1] == "local" and not r[2]]
+    torch_ddp = [v for v in rows if v.key == "torch" and not v.bf16]
+    no_comm = [v for v in rows if v.key == "local" and not v.bf16]
     rest = [r for r in rows if r not in torch_ddp + no_comm]
     shared = torch_ddp + no_comm
     if rest and max(held(shared + [row]) for row in rest) > budget:
@@ -911,18 +947,19 @@ def phase_medians(marks):
     per_step = [[elapsed_ms(a, b) for a, b in zip(clocks, clocks[1:])] for clocks in marks]  # steps x phases
     return [statistics.median(ms) for ms in zip(*per_step)]
 
-def time_group(group, results, setup, rank, device, baseline=LABELS["torch"]):
-    """Warm up each variant (peak: the timer's less the others'), drop any out of memory on a rank, time the rest."""
+def time_group(group, results, setup, rank, device, baseline=LABELS["torch"], trace=None):
+    """Warm up each variant (peak: the timer's less the others'), drop any out of memory on a rank, time the rest;
+    then, with a trace path, profile those not yet traced (a variant in every group is traced once)."""
     cuda, local = device.type == "cuda", LABELS["local"]
-    marks = {label: [] for label, _, _ in group}
-    steps = {label: lazily(partial(make_step, key, bf16, setup, rank, device, marks[label]), device)
-             for label, key, bf16 in group}
+    marks = {v.label: [] for v in group}
+    steps = {v.label: lazily(partial(make_step, v.key, v.bf16, replace(setup, bucket_mb=v.bucket_mb), rank, device,
+                                     marks[v.label]), device) for v in group}
     warm, peaks = time_rounds(steps, device, rounds=0, warmup=setup.warmup)  # out of memory: None
     fits = [all(ok) for ok in zip(*gather([warm[label] is not None for label in steps]))]
     steps = {label: step for (label, step), ok in zip(steps.items(), fits) if ok}
-    for label, _, _ in group:
-        if label not in steps:
-            results.setdefault(label, {"oom": True})
+    for v in group:
+        if v.label not in steps:
+            results.setdefault(v.label, {"oom": True})
     free_memory()  # (a variant out of memory on another rank lets go of its model here)
     every = gather(time_rounds(steps, device, setup.rounds, setup.steps, warmup=0,
                                sync=partial(all_ranks_synchronize, device))[0])
@@ -937,17 +974,25 @@ def time_group(group, results, setup, rank, device, baseline=LABELS["torch"]):
             "oom": False, "timing": vars(timings[label]), "peak": max(r[label] for r in own) if cuda else None,
             "phases": [statistics.fmean(ms) for ms in zip(*(r[label] for r in split))],  # mean over ranks
             "exposed": statistics.median(exposed) if exposed else None})
+    if trace:
+        paths = {v.label: trace_file(trace, v.tag) for v in group if "trace" not in results[v.label]}
+        trace_steps({label: steps[label] for label in paths if label in steps}, paths, rank, device)
+        for label in paths:
+            results[label]["trace"] = paths[label] if label in steps else None
 
-def benchmark_worker(rank, world, device, setup, groups):
-    """{label: result} of every group's rows."""
+def benchmark_worker(rank, world, device, setup, groups, trace=None, fit_bytes=None):
+    """{"rows": {label: result} of every group's rows, "fit": the all-reduce model's (o, w) or None}."""
     set_tf32(True)
+    fit = None
+    if fit_bytes:  # first, while the GPU holds no model: the buffer is the largest bucket swept
+        fit = allreduce_fit(rank, world, device, fit_bytes)
     results = {}
     for g, group in enumerate(groups):
         if rank == 0:
-            print(f"  group {g + 1} of {len(groups)}: {', '.join(label for label, _, _ in group)}", flush=True)
-        time_group(group, results, setup, rank, device)
+            print(f"  group {g + 1} of {len(groups)}: {', '.join(v.label for v in group)}", flush=True)
+        time_group(group, results, setup, rank, device, trace=trace)
         free_memory()  # the group's models are gone with time_group's frame
-    return results
+    return {"rows": results, "fit": fit}
 
 def memory_vs_torch(result, base):
     """' (0.52x)': a variant's peak against torch DDP's, where both were measured."""
@@ -996,65 +1041,326 @@ def print_benchmark(rows, setup, world, plot, gpu):
     print(f"step: median (min-max) over {setup.rounds} rounds of {setup.steps} steps, the slowest rank's; ratios "
           f"paired in rounds. exposed comm: {exposed}. fwd/bwd/wait/optim: medians, mean over "
           "ranks (torch DDP and FSDP2 wait inside bwd). peak: allocated, the variant's own, largest rank")
-    done = {label: r for label, r in rows.items() if not r["oom"]}
     if plot:
+        done = {label: r for label, r in rows.items() if not r["oom"]}
         plot_phases(plot, done, f"GPT {setup.model}, {world} ranks, B={setup.batch} T={setup.seq}")
-    parts = [f"{label} {r['timing']['ratio']:.2f}x{memory_vs_torch(r, base)}" for label, r in done.items()
-             if r["timing"]["ratio"] and label != LABELS["torch"]]
+
+def print_summary(rows):
+    base = rows.get(LABELS["torch"], {})
+    parts = [f"{label} {r['timing']['ratio']:.2f}x{memory_vs_torch(r, base)}" for label, r in rows.items()
+             if not r["oom"] and r["timing"]["ratio"] and label != LABELS["torch"]]
     print("summary: step (memory) vs torch DDP's: " + ("; ".join(parts) or "no torch DDP row to compare with"))
 
-def benchmark_rows(variants, gpu):
-    """(label, key, bf16) per variant asked for; torch's bf16 hook needs NCCL, so the CPU leaves it out."""
+def benchmark_rows(variants, gpu, sizes=(25,)):
+    """A Variant per variant asked for, those built with --bucket-mb once per size where several are given; torch's
+    bf16 hook needs NCCL, so the CPU leaves it out."""
     rows = []
     for variant in variants:
         key, _, dtype = variant.partition(":")
         bf16 = dtype == "bf16"
         if key == "torch" and bf16 and not gpu:
             continue
-        suffix = ""
+        label, tag = LABELS[key], key
         if bf16:
-            suffix = " bf16 compute" if key == "fsdp" else " bf16 comm"
-        rows.append((LABELS[key] + suffix, key, bf16))
+            label += " bf16 compute" if key == "fsdp" else " bf16 comm"
+            tag += "-bf16"
+        if key not in BUCKETED or len(sizes) == 1:
+            rows.append(Variant(label, key, bf16, sizes[0], tag))
+            continue
+        rows += [Variant(f"{label} {mb:g} MB", key, bf16, mb, f"{tag}-{mb:g}mb") for mb in sizes]
     return rows
 
-def host_bytes(keys, config, batch, seq, gpu):
-    """CPU: every variant's model and state in host memory at once, and one step's activations (GPU: 0)."""
+def prepare_run(setup, config, world, backend, keys, what):
+    """Exit 2 where this machine cannot hold the run (on a CPU: every variant's model and state in host memory at
+    once, and one step's activations); else (the fp32 weights' bytes, where it runs in words)."""
     with torch.device("meta"):
         weights = 4 * GPT(config).num_params()
-    if gpu:
-        return 0
-    return int(weights * (1 + sum(sum(RESIDENT[k]) for k in keys)) + step_bytes(config, batch, seq, False))
+    held = int(weights * (1 + sum(sum(RESIDENT[k]) for k in keys)) + step_bytes(config, setup.batch, setup.seq, False))
+    if backend == "nccl":
+        held = 0
+    check_launch(world, backend, held, f"{what} of GPT {setup.model}")
+    if backend == "nccl":
+        return weights, f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast"
+    return weights, f"{world} CPU processes over gloo, fp32 (no GPU: CPU defaults, a smoke run, not a measurement)"
 
-def run_benchmark(setup, config, variants, world, backend, plot, timeout):
+def check_benchmark_flags(rows, sizes, trace, plot_trace):
+    """Exit 2 with one sentence before any rank starts: flags that cannot work together, a trace file in the way."""
+    if len(sizes) > 1 and not any(v.key in BUCKETED for v in rows):
+        fail(f"--bucket-mb {','.join(f'{mb:g}' for mb in sizes)} sweeps the bucketed variants: add bucket, sharded "
+             "or zero2 to --variants")
+    if plot_trace and not trace:
+        fail("--plot-trace draws the traces --trace writes: add --trace PATH.json")
+    if trace is not None and not trace.endswith(".json"):
+        fail(f"--trace {trace}: expected a .json file name (a Chrome/Perfetto trace; each variant's goes beside it)")
+    try:
+        for v in rows if trace is not None else []:
+            check_output_path(trace_file(trace, v.tag), "--trace", ours=is_json)
+    except ValueError as e:
+        fail(str(e))
+
+def run_benchmark(setup, config, variants, sizes, world, backend, outputs, timeout):
+    """outputs: (--plot, --trace, --plot-trace) paths or None."""
+    plot, trace, plot_trace = outputs
     gpu = backend == "nccl"
-    rows = benchmark_rows(variants, gpu)
-    with torch.device("meta"):
-        weights = 4 * GPT(config).num_params()
-    held = host_bytes([k for _, k, _ in rows], config, setup.batch, setup.seq, gpu)
-    check_launch(world, backend, held, f"the benchmark of GPT {setup.model}")
+    rows = benchmark_rows(variants, gpu, sizes)
+    check_benchmark_flags(rows, sizes, trace, plot_trace)
+    weights, where = prepare_run(setup, config, world, backend, [v.key for v in rows], "the benchmark")
     groups = memory_groups(rows, config, setup.batch, setup.seq, backend, world, weights)
-    where = f"{world} CPU processes over gloo, fp32 (no GPU: CPU defaults, a smoke run, not a measurement)"
-    if gpu:
-        where = f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast"
     print(f"data-parallel GPT {setup.model} ({weights / 4e6:.0f}M parameters) on {where}, torch {torch.__version__}: "
           f"B={setup.batch} per rank, T={setup.seq}, AdamW; {setup.rounds} rounds of {setup.steps} steps per variant "
           f"after {setup.warmup} warm-up")
     plan = f"{len(rows)} variants"
+    if len(sizes) > 1:
+        plan += f" (bucketed ones at {', '.join(f'{mb:g}' for mb in sizes)} MB; torch DDP at {sizes[0]:g})"
     if len(groups) > 1:  # torch DDP (and no-comm, where it fits) is timed again in every group: every ratio is paired
         again = "the no-comm and torch DDP models"
-        if not all(any(key == "local" for _, key, _ in group) for group in groups):
+        if not all(any(v.key == "local" for v in group) for group in groups):
             again = "torch DDP (the no-comm model does not fit beside every variant: it is timed once)"
         plan += (f" in {len(groups)} groups that fit on a GPU together, each also timing {again} "
                  f"({sum(len(group) for group in groups)} timed in all)")
     rounds = f"{setup.rounds} round{'s' if setup.rounds > 1 else ''}"
     print(f"benchmark: {plan} x {rounds}; --variants narrows it (e.g. --variants local,torch,bucket), "
           f"--rounds shortens it", flush=True)
-    results = launch(partial(benchmark_worker, setup=setup, groups=groups), world, backend, timeout)
-    print_benchmark(results, setup, world, plot, gpu)
+    swept = [v for v in rows if v.key == "bucket" and len(sizes) > 1]
+    fit_bytes = None
+    if swept:  # the all-reduce model's bandwidth at the largest bucket (no bucket holds more than every gradient)
+        fit_bytes = 4 * min(float32_count(max(sizes)), round(weights / 4))
+    results = launch(partial(benchmark_worker, setup=setup, groups=groups, trace=trace, fit_bytes=fit_bytes), world,
+                     backend, timeout)
+    print_benchmark(results["rows"], setup, world, plot, gpu)
+    if swept:
+        print_bucket_sweep(swept, results["rows"], results["fit"], config, gpu)
+    if trace:
+        print_traces(results["rows"], plot_trace, gpu)
+    print_summary(results["rows"])
 
 # takeaway: interleaved rounds beside a no-comm row show what communication costs a step, phase by phase.
 
-# --- 8. launching the ranks, and the command line
+# --- 8. where the time goes: rank 0's traces (communication beside computation), and the bucket sweep's model
+TRACE_STEPS = 3  # profiled per variant: the first pays the profiler's start-up, the numbers come from the others
+STEP_MARK = "ddp.py step"  # the record_function range around each profiled step
+COLOURS = {None: "tab:blue", "all-reduce": "tab:orange", "all-gather": "tab:green", "reduce-scatter": "tab:red",
+           "broadcast": "tab:purple", "other": "tab:gray"}  # computation, then each kind of collective
+
+def trace_file(path, tag):  # ddp.json -> ddp.overlap.json
+    return f"{path.removesuffix('.json')}.{tag}.json"
+
+def is_json(path):  # a file --trace may overwrite: a JSON object, as it writes
+    with open(path, "rb") as f:
+        return f.read(64).lstrip().startswith(b"{")
+
+def trace_steps(steps, paths, rank, device):
+    """Rank 0 profiles TRACE_STEPS steps of each variant (CPU ops, and CUDA kernels on a GPU) into paths[label];
+    every rank runs them, so that the collectives pair up. A synchronize ends each step inside its range: the
+    step's kernels lie within it."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # else the profiler prints its stages on stderr every time
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    for label, step in steps.items():
+        if rank == 0:
+            print(f"  tracing {label} -> {paths[label]}", flush=True)
+        profiler = profile(activities=activities) if rank == 0 else nullcontext()
+        with profiler:
+            for _ in range(TRACE_STEPS):
+                with record_function(STEP_MARK):
+                    step()
+                    synchronize(device)
+                dist.barrier()  # (outside the range: NCCL's barrier is a kernel too)
+        if rank == 0:
+            profiler.export_chrome_trace(paths[label])
+
+def collective(name):
+    """The collective an NCCL kernel or a gloo op runs ('all-reduce', ...), or None for computation."""
+    if not name.startswith(("nccl", "gloo:")):
+        return None
+    squashed = name.lower().replace("_", "")  # ncclDevKernel_AllReduce_Sum_f32_RING_LL, gloo:all_reduce
+    kinds = [kind for kind in COLOURS if kind and kind.replace("-", "") in squashed]
+    return (kinds or ["other"])[0]
+
+def traced_spans(path):
+    """(each step's (start, end), [(lane, collective or None, start, end)]) in us, from a trace_steps file. With
+    CUDA: the kernels, a lane per stream. On a CPU: the ops of the thread that ran the step, and gloo's collectives,
+    which run on gloo's own threads."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    # the CPU's ranges (the GPU's copies of them, "gpu_user_annotation", need not be there)
+    marks = [e for e in events if e["name"] == STEP_MARK and e.get("cat") == "user_annotation"]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in marks)
+    kernels = [e for e in events if e.get("cat", "").lower() == "kernel"]  # (older kineto wrote "Kernel")
+    if kernels:
+        return steps, [(f"stream {e['args'].get('stream', e['tid'])}", collective(e["name"]), e["ts"],
+                        e["ts"] + e["dur"]) for e in kernels]
+    threads, spans = {}, []
+    for e in events:
+        if e["name"].startswith("gloo:"):
+            lane = f"gloo thread {threads.setdefault(e['tid'], len(threads) + 1)}"
+            spans.append((lane, collective(e["name"]), e["ts"], e["ts"] + e["dur"]))
+        elif e["tid"] == marks[0]["tid"] and e.get("cat") == "cpu_op" and not e["name"].startswith("c10d::"):
+            spans.append(("main thread", None, e["ts"], e["ts"] + e["dur"]))  # (c10d:: only queues a collective)
+    return steps, spans
+
+def merged(intervals):
+    """(start, end) pairs sorted and joined where they overlap: when something runs."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+def shared_time(xs, ys):
+    """The time two merged lists of intervals have in common."""
+    total, j = 0.0, 0
+    for a, b in xs:
+        while j < len(ys) and ys[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(ys) and ys[k][0] < b:
+            total += min(b, ys[k][1]) - max(a, ys[k][0])
+            k += 1
+    return total
+
+def in_step(spans, step):
+    return [s for s in spans if step[0] <= s[2] < step[1]]
+
+def comm_overlap(steps, spans):
+    """{collective: [calls, us running, us of it beside computation]} per step, the mean over the traced steps after
+    the first; "all" joins the kinds where there are several."""
+    measured, stats = steps[1:] or steps, {}
+    for step in measured:
+        inside = in_step(spans, step)
+        compute, kinds = merged((a, b) for _, kind, a, b in inside if kind is None), {}
+        for _, kind, a, b in inside:
+            if kind:
+                kinds.setdefault(kind, []).append((a, b))
+        if len(kinds) > 1:
+            kinds["all"] = [interval for kind in sorted(kinds) for interval in kinds[kind]]
+        for kind, intervals in kinds.items():
+            comm, total = merged(intervals), stats.setdefault(kind, [0, 0.0, 0.0])
+            total[0] += len(intervals) / len(measured)
+            total[1] += sum(b - a for a, b in comm) / len(measured)
+            total[2] += shared_time(comm, compute) / len(measured)
+    return stats
+
+def print_traces(results, plot, gpu):
+    traced = {label: traced_spans(r["trace"]) for label, r in results.items() if r.get("trace")}
+    stats = {label: comm_overlap(*spans) for label, spans in traced.items()}
+    rows = []
+    for label, kinds in stats.items():
+        rows += [[label, kind, f"{calls:g}", f"{us / 1e3:.2f}", f"{beside / 1e3:.2f}", f"{100 * beside / us:.0f}%"]
+                 for kind, (calls, us, beside) in sorted(kinds.items(), key=lambda item: item[0] == "all") if us]
+        if not kinds:
+            rows.append([label, "none", "0", "0.00", "0.00", "-"])
+    what = "NCCL kernels against the other kernels"
+    if not gpu:
+        what = "CPU: gloo's collectives on its threads against the ops of the step's thread; the ranks share the cores"
+    print(f"\ncommunication per step in rank 0's trace ({what}): the mean of the {TRACE_STEPS - 1} steps after the "
+          "first, each ending in a synchronize")
+    print_table(["variant", "collective", "calls/step", "comm ms/step", "overlapped ms/step", "overlapped %"], rows)
+    print(f"traces (open them in ui.perfetto.dev): {', '.join(r['trace'] for r in results.values() if r.get('trace'))}")
+    if plot:
+        plot_timelines(plot, traced, stats, gpu)
+
+def timeline_lanes(inside, gpu):
+    """The lanes of one step, computing ones first, and their names: on a GPU one that only communicates is NCCL's."""
+    computing = sorted({lane for lane, kind, _, _ in inside if kind is None})
+    talking = sorted({lane for lane, kind, _, _ in inside if kind} - set(computing))
+    return computing + talking, computing + [f"{lane} (NCCL)" if gpu else lane for lane in talking]
+
+def plot_timelines(path, traced, stats, gpu):
+    """The last traced step of each variant, a panel each on one time axis: a lane per CUDA stream (CPU: per
+    thread), computation in blue, each collective in its colour."""
+    lanes = {label: timeline_lanes(in_step(spans, steps[-1]), gpu) for label, (steps, spans) in traced.items()}
+    heights = [max(1, len(order)) for order, _ in lanes.values()]
+    fig, axes = plot_to(path).subplots(len(traced), 1, sharex=True, squeeze=False, layout="constrained",
+                                       figsize=(11, 1 + 0.55 * sum(heights)), gridspec_kw={"height_ratios": heights})
+    for ax, (label, (steps, spans)) in zip(axes[:, 0], traced.items()):
+        (start, end), (order, names) = steps[-1], lanes[label]
+        inside = in_step(spans, steps[-1])
+        for y, lane in enumerate(order):
+            for kind, colour in COLOURS.items():
+                bars = merged((a, b) for at, k, a, b in inside if at == lane and k == kind)
+                if bars:
+                    ax.broken_barh([((a - start) / 1e3, (b - a) / 1e3) for a, b in bars], (y - 0.4, 0.8),
+                                   color=colour, label=kind or "computation")
+        ax.set_yticks(range(len(names)), names, fontsize=8)
+        ax.invert_yaxis()
+        _, us, beside = stats[label].get("all") or next(iter(stats[label].values()), (0, 0.0, 0.0))
+        share = f", {100 * beside / us:.0f}% of it overlapped" if us else ""
+        ax.set_title(f"{label}: this step {(end - start) / 1e3:.1f} ms; communicating {us / 1e3:.1f} ms a step{share}",
+                     fontsize=9, loc="left")
+    handles = {}
+    for ax in axes[:, 0]:
+        handles.update(zip(*ax.get_legend_handles_labels()[::-1]))
+    fig.legend(list(handles.values()), list(handles), loc="outside upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("ms from the step's start on rank 0 (its CPU's first call; the step ends in a synchronize)")
+    fig.savefig(path, bbox_inches="tight")
+    print(f"timeline saved to {path}")
+
+def allreduce_fit(rank, world, device, nbytes):
+    """(o, w, nbytes): the all-reduce model t(S) = o + S / w on these ranks, o in seconds from a one-float all-reduce
+    (all latency), w = S / t(S) in bytes/s at S = nbytes (algbw, the course's w); None where nbytes did not fit."""
+    warmup, iters = on_device(device, cpu=(1, 3), gpu=(5, 20))
+    seconds = []
+    for n in (1, nbytes // 4):
+        timed = time_allreduce(n, rank, world, device, warmup, iters)  # (None on every rank together)
+        if timed is None:
+            return None
+        slowest = [max(ms) for ms in zip(*gather(timed[0]))]  # an all-reduce ends when its last rank has it
+        seconds.append(statistics.median(slowest) / 1e3)
+    free_memory()
+    return seconds[0], nbytes / seconds[1], nbytes
+
+def print_bucket_sweep(swept, results, fit, config, gpu):
+    """BucketDDP's step per bucket size beside the model: overhead = n_b o + (the last bucket's bytes) / w."""
+    with torch.device("meta"):
+        named = [(name, p) for name, p in GPT(config).named_parameters() if p.requires_grad]
+    numel, rows, model = sum(p.numel() for _, p in named), [], {}
+    base, no_comm = results.get(LABELS["torch"], {}), results.get(LABELS["local"])
+    for v in swept:
+        plan = plan_buckets([p for _, p in named], v.bucket_mb)
+        size = 2 if v.bf16 else 4  # the bytes a gradient element sends
+        last, r = size * sum(p.numel() for p in plan[-1]), results[v.label]
+        if fit:
+            model[v] = (len(plan) * fit[0] + last / fit[1]) * 1e3
+        rows.append([v.label, f"{v.bucket_mb:g}", len(plan), f"{last / MiB:.1f}",
+                     "OOM" if r["oom"] else f"{r['timing']['median']:.1f}",
+                     benchmark_row(v.label, r, base, no_comm, gpu)[3], f"{model[v]:.2f}" if fit else "n/a"])
+    print("\nbucket sweep: BucketDDP's step per bucket size (MB = 2^20 bytes, as torch's bucket_cap_mb)")
+    print_table(["variant", "bucket MB", "buckets", "last bucket MB", "step ms", "overhead ms (measured)",
+                 "overhead ms (model)"], rows)
+    if fit:
+        name, first = named[0]  # the first parameter is the last one backward finishes: its bucket leaves last
+        print(f"model (2025's ddp_bucketed_benchmarking): overhead = n_b o + (last bucket) / w: each bucket's "
+              f"all-reduce pays o, and the last starts only as backward ends, so nothing hides it. Here o = "
+              f"{fit[0] * 1e6:.1f} us (a one-float all-reduce), w = {fit[1] / 1e9:.3g} GB/s (algbw at "
+              f"{size_label(fit[2] / MiB)}); measured: the step less the no-comm step, paired (n/a on the CPU)")
+        print(f"with n_b equal buckets of s bytes in all: n_b o + s / (n_b w), least at n_b = sqrt(s / (w o)), buckets "
+              f"of sqrt(s w o); but GPT's {name} ({first.nbytes / MiB:.1f} MB, also the output layer) has its gradient "
+              "only as backward ends: no last bucket is smaller")
+    for bf16 in sorted({v.bf16 for v in swept}):
+        family = [v for v in swept if v.bf16 == bf16]
+        done = [v for v in family if not results[v.label]["oom"]]
+        wrapper = LABELS["bucket"]
+        if bf16:
+            wrapper += " bf16 comm"
+        line = f"bucket sweep, {wrapper}: measured best "
+        if done:
+            best = min(done, key=lambda v: results[v.label]["timing"]["median"])
+            line += f"{best.bucket_mb:g} MB ({results[best.label]['timing']['median']:.1f} ms a step)"
+        else:
+            line += "n/a (every size out of memory)"
+        if fit:
+            s = (2 if bf16 else 4) * numel  # the bytes this variant sends
+            line += (f"; the model's best of these sizes {min(family, key=model.get).bucket_mb:g} MB, its optimum "
+                     f"sqrt(s w o) = {math.sqrt(s * fit[1] * fit[0]) / MiB:.3g} MB for s = {s / MiB:.1f} MB")
+        print(line)
+
+# takeaway: a trace shows where communication runs; buckets trade a latency each against the last one's exposed tail.
+
+# --- 9. launching the ranks, and the command line
 def gather(obj):
     """obj from every rank, as a list indexed by rank."""
     out = [None] * dist.get_world_size()
@@ -1146,8 +1452,6 @@ def add_step_flags(p):
                    help="interleaved rounds (default 30, 2 on CPU: with 8, ratios moved 12%%)")
     p.add_argument("--warmup", type=int_in(1), help="untimed steps per variant first (default 3; 1 on CPU)")
     p.add_argument("--steps", type=int_in(1), default=2, help="steps per variant per round")
-    p.add_argument("--bucket-mb", type=float_in(0.001), default=25,
-                   help="bucket size for BucketDDP, ZeRO and torch DDP")
 
 def build_parser():
     parser = argparse.ArgumentParser(description="Data-parallel training written out: all-reduce, DDP, ZeRO, FSDP.")
@@ -1164,12 +1468,24 @@ def build_parser():
     st.add_argument("--steps", type=int_in(1), default=3, help="training steps compared")
     om = sub.add_parser("optimizer-memory", help="AdamW's state per rank, whole (DDP) or sharded (ZeRO-1)")
     add_step_flags(om)
+    om.add_argument("--bucket-mb", type=float_in(0.001), default=25, help="bucket size in MB for BucketDDP and ZeRO-1")
     bm = sub.add_parser("benchmark", help="a GPT training step under every variant, interleaved in rounds")
     add_step_flags(bm)
     bm.add_argument("--variants", type=variant_list, default=",".join(v for v in VARIANTS if ":fp32" not in v),
                     help=f"comma-separated, from: {','.join(LABELS)}; key:bf16 sends (fsdp: computes with) bf16")
     bm.add_argument("--plot", type=plot_path, help="save the step split per variant to this figure (.png, .pdf, "
                     ".svg, ...: the name's extension; needs matplotlib)")
+    bm.add_argument("--bucket-mb", type=bucket_list, default=[25], metavar="MB[,MB...]",
+                    help="bucket size in MB (2^20 bytes) for BucketDDP, ZeRO and torch DDP; a comma list "
+                    "(1,10,100,1000) runs BucketDDP and ZeRO once per size (torch DDP takes the first) and prints the "
+                    "bucket sweep beside its overhead model")
+    bm.add_argument("--trace", metavar="PATH.json",
+                    help=f"write rank 0's torch.profiler trace (Chrome/Perfetto JSON) of {TRACE_STEPS} steps of each "
+                    "variant after its rounds: PATH.json -> PATH.<variant>.json, e.g. ddp.overlap.json; prints each "
+                    "variant's communication per step and how much of it overlaps computation")
+    bm.add_argument("--plot-trace", type=plot_path, metavar="FIGURE",
+                    help="with --trace: draw one traced step of each variant to this figure, a panel each on one time "
+                    "axis, a lane per CUDA stream (CPU: per thread), computation and each collective in its colour")
     for p in (st, om, bm):
         p.add_argument("--world", type=int_in(1), default=2, help="ranks (default 2)")
         p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with GPUs, else gloo")
@@ -1196,11 +1512,13 @@ def main(argv=None):
                              args.timeout)
     if args.command == "selftest":
         return run_selftest(args.world, backend, args.steps, args.timeout)
-    setup, config = step_setup(device, args.model, args.vocab, args.batch, args.seq, args.bucket_mb, args.warmup,
+    sizes = args.bucket_mb if args.command == "benchmark" else [args.bucket_mb]
+    setup, config = step_setup(device, args.model, args.vocab, args.batch, args.seq, sizes[0], args.warmup,
                                args.rounds, args.steps)
     if args.command == "optimizer-memory":
         return run_optimizer_memory(setup, config, args.world, backend, args.timeout)
-    run_benchmark(setup, config, args.variants, args.world, backend, args.plot, args.timeout)
+    run_benchmark(setup, config, args.variants, sizes, args.world, backend, (args.plot, args.trace, args.plot_trace),
+                  args.timeout)
 
 # takeaway: the parent starts a process per rank and stops them all; a killed or failing rank is one clear line.
 

@@ -1866,17 +1866,17 @@ def test_ddp_benchmark_groups_fit_the_card_torch_ddp_in_each():
         budget = 0.9 * card.total_memory - weights - 34 * 4 * 1024 * config.n_embd * config.n_layer
         with unittest.mock.patch.object(torch.cuda, "get_device_properties", return_value=card):
             groups = ddp.memory_groups(rows, config, 4, 1024, "nccl", 2, weights)
-        keys = [[key for _, key, bf16 in group if not bf16] for group in groups]
+        keys = [[v.key for v in group if not v.bf16] for group in groups]
         groups_with_no_comm = 1  # xl: the no-comm row is timed once
         if no_comm_everywhere:
             groups_with_no_comm = len(groups)
         assert all("torch" in k for k in keys), keys
         assert sum("local" in k for k in keys) == groups_with_no_comm, (model, keys)
-        others = [row for group in groups for row in group if row[1] not in ("torch", "local") or row[2]]
-        assert sorted(others) == sorted(r for r in rows if r[1] not in ("torch", "local") or r[2]), (model, groups)
+        others = [v.label for group in groups for v in group if v.key not in ("torch", "local") or v.bf16]
+        assert sorted(others) == sorted(v.label for v in rows if v.key not in ("torch", "local") or v.bf16), groups
         for group in groups:  # over budget only where one variant beside the shared rows is already too much
-            held = weights * sum(ddp.RESIDENT[k][0] + ddp.RESIDENT[k][1] / 2 for _, k, _ in group)
-            assert held <= budget or len(group) == 2, (model, [label for label, _, _ in group], held / 2**30)
+            held = weights * sum(ddp.RESIDENT[v.key][0] + ddp.RESIDENT[v.key][1] / 2 for v in group)
+            assert held <= budget or len(group) == 2, (model, [v.label for v in group], held / 2**30)
         assert (len(groups) == 1) == (model == "gpt2"), (model, len(groups))  # gpt2: everything at once
     # a row timed without the no-comm model beside it: exposed comm is the difference of medians, marked unpaired
     timing = {"median": 10.0, "low": 9.0, "high": 11.0, "ratio": 1.0, "ratio_low": 1.0, "ratio_high": 1.0}
@@ -1884,6 +1884,71 @@ def test_ddp_benchmark_groups_fit_the_card_torch_ddp_in_each():
     no_comm = dict(result, timing=dict(timing, median=7.5))
     assert ddp.benchmark_row("NaiveDDP", result, {}, no_comm, gpu=True)[3] == "2.5*"
     assert ddp.benchmark_row("NaiveDDP", dict(result, exposed=2.0), {}, no_comm, gpu=True)[3] == "2.0"
+
+def test_ddp_benchmark_trace_and_bucket_sweep():
+    """On 2 gloo ranks: --trace writes rank 0's trace per variant (its profiled steps, gloo's all-reduces) and a
+    table of communication per step, an all-reduce per gradient (OverlapDDP) or per bucket; --bucket-mb 1,10 a row
+    per size with the buckets BucketDDP makes, and the best sizes, measured and modelled; --plot-trace a picture."""
+    with torch.device("meta"):
+        params = list(gpt.GPT(gpt.make_config("tiny", vocab_size=50304)).parameters())
+    buckets = {mb: len(ddp.plan_buckets(params, mb)) for mb in (1, 10)}
+    with tempfile.TemporaryDirectory() as tmp:
+        picture = ["--plot-trace", f"{tmp}/timeline.png"] if importlib.util.find_spec("matplotlib") else []
+        p = run("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--rounds", 1, "--steps", 1, "--warmup", 1,
+                "--batch", 1, "--seq", 8, "--variants", "overlap,bucket", "--bucket-mb", "1,10",
+                "--trace", f"{tmp}/ddp.json", *picture)  # (its own process: spawned ranks print past a capture)
+        out, err = p.stdout, p.stderr
+        for tag in ("overlap", "bucket-1mb", "bucket-10mb"):
+            with open(f"{tmp}/ddp.{tag}.json") as f:
+                names = [e["name"] for e in json.load(f)["traceEvents"]]
+            assert names.count(ddp.STEP_MARK) == ddp.TRACE_STEPS and "gloo:all_reduce" in names, (tag, out)
+        assert not picture or os.path.getsize(picture[1]) > 0, out + err
+    sweep = out.split("bucket sweep: BucketDDP's step per bucket size")[1].split("\nmodel")[0]
+    for mb, count in buckets.items():  # cells: bucket MB, buckets, last bucket MB, step ms, measured, model ms
+        cells = next(ln for ln in sweep.splitlines() if ln.startswith(f"BucketDDP {mb} MB ")).split()[3:]
+        assert cells[:2] == [str(mb), str(count)] and float(cells[5]) > 0, out
+        assert cells[4] == "-", out  # measured against a no-comm row, and this run has none
+    assert re.search(r"bucket sweep, BucketDDP: measured best (1|10) MB \(.*\); the model's best of these sizes "
+                     r"(1|10) MB, its optimum sqrt\(s w o\) = [\d.]+ MB", out), out
+    traced = out.split("communication per step in rank 0's trace")[1]
+    for label, calls in (("OverlapDDP", len(params)), ("BucketDDP 1 MB", buckets[1]), ("BucketDDP 10 MB", buckets[10])):
+        cells = next(ln for ln in traced.splitlines() if ln.startswith(label + "  ")).split()[len(label.split()):]
+        assert cells[:2] == ["all-reduce", str(calls)] and float(cells[2]) > 0 and cells[4].endswith("%"), out
+    assert out.splitlines()[-1].startswith("summary: step (memory) vs torch DDP's"), out
+
+def test_ddp_trace_overlap_from_kernels():
+    """From a GPU trace's kernels (NCCL's on streams of their own): each collective's time per step and the part of
+    it beside computation, the first step left out; the timeline names the NCCL lanes; a file --trace did not
+    write is not overwritten."""
+    def kernel(name, stream, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "tid": stream, "ts": ts, "dur": dur,
+                "args": {"stream": stream}}
+    def step(ts, dur):
+        return {"ph": "X", "cat": "user_annotation", "name": ddp.STEP_MARK, "tid": 1, "ts": ts, "dur": dur}
+    reduce, gather = "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ncclDevKernel_AllGather_RING_LL"
+    events = [step(0, 100), kernel("sm90_gemm", 7, 10, 50), kernel(reduce, 20, 20, 60),  # the first step: left out
+              dict(step(5, 90), cat="gpu_user_annotation"),  # the GPU's copy of a step's range: not a step
+              step(1000, 300), kernel("sm90_gemm", 7, 1000, 100), kernel("elementwise", 7, 1150, 50),
+              kernel(reduce, 20, 1080, 80),  # beside computation 1080-1100 and 1150-1160
+              kernel(gather, 21, 1250, 40)]  # after it
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/t.json", "w") as f:
+            json.dump({"traceEvents": events}, f)
+        steps, spans = ddp.traced_spans(f"{tmp}/t.json")
+        assert steps == [(0, 100), (1000, 1300)], steps
+        stats = ddp.comm_overlap(steps, spans)
+        assert stats == {"all-reduce": [1, 80, 30], "all-gather": [1, 40, 0], "all": [2, 120, 30]}, stats
+        lanes = ddp.timeline_lanes(ddp.in_step(spans, steps[-1]), gpu=True)[1]
+        assert lanes == ["stream 7", "stream 20 (NCCL)", "stream 21 (NCCL)"], lanes
+        if importlib.util.find_spec("matplotlib"):
+            with contextlib.redirect_stdout(io.StringIO()):
+                ddp.plot_timelines(f"{tmp}/t.png", {"FSDP": (steps, spans)}, {"FSDP": stats}, gpu=True)
+            assert os.path.getsize(f"{tmp}/t.png") > 0
+        with open(f"{tmp}/ddp.bucket.json", "w") as f:
+            f.write("notes")
+        check_bad_inputs("ddp.py", [(f"benchmark --variants bucket --trace {tmp}/ddp.json", "not a file this script")])
+    assert [ddp.collective(n) for n in ("gloo:reduce_scatter", "ncclKernel_Broadcast_RING_LL", "aten::mm")] == \
+        ["reduce-scatter", "broadcast", None]
 
 def test_ddp_rank_killed_is_one_line():
     """A rank the kernel kills (here: SIGKILL to itself) is reported in one line, exit 2."""
@@ -1916,6 +1981,15 @@ def test_ddp_bad_inputs():
             ("benchmark --variants fsdp,bogus", "unknown 'bogus'"),
             ("benchmark --variants local:bf16", "unknown 'local:bf16'"),
             ("benchmark --bucket-mb 0", "argument --bucket-mb: must be at least"),
+            ("benchmark --bucket-mb -5", "argument --bucket-mb: must be at least"),
+            ("benchmark --bucket-mb ten", "argument --bucket-mb: expected a number, got 'ten'"),
+            ("benchmark --bucket-mb ''", "expected a comma list of bucket sizes in MB"),
+            ("benchmark --bucket-mb 1,,10", "expected a comma list of bucket sizes in MB"),
+            ("benchmark --bucket-mb 1,1", "1 MB is listed twice"),
+            ("benchmark --variants local,torch --bucket-mb 1,10", "sweeps the bucketed variants"),
+            ("optimizer-memory --bucket-mb 1,10", "expected a number, got '1,10'"),
+            (f"benchmark --trace {tmp}/missing/ddp.json", "does not exist"),
+            ("benchmark --trace /proc/ddp.json", "cannot be written there"),
             ("benchmark --timeout 0", "argument --timeout: must be at least 1"),
             ("allreduce --sizes 0", "at least one float32"),
             ("allreduce --sizes -1", "argument --sizes: must be at least 0"),
@@ -1937,8 +2011,13 @@ def test_ddp_bad_inputs():
             ("allreduce --backend nccl", "--backend nccl needs CUDA"),
             ("allreduce --backend both", "--backend both needs CUDA"),
         ]))
+        trace_alone = []  # (without matplotlib --plot-trace is refused for that, as --plot is)
+        if importlib.util.find_spec("matplotlib"):
+            trace_alone = [(f"benchmark --plot-trace {tmp}/t.png", "add --trace")]
         refused_before_work("ddp.py", [(f"allreduce --backend gloo --plot {tmp}/notes.txt", plot_refusal()),
-                                       (f"benchmark --backend gloo --plot {tmp}/notes.txt", plot_refusal())])
+                                       (f"benchmark --backend gloo --plot {tmp}/notes.txt", plot_refusal()),
+                                       (f"benchmark --trace {tmp}/ddp.txt", "expected a .json file name"),
+                                       *trace_alone])
         assert os.listdir(tmp) == []  # as the flags are read: no rank started, no file written
 
 @gpu
