@@ -690,7 +690,8 @@ def strategy_lines(cfg, B, T, dtype, device_type, pred):
     return [f"gradient_checkpointing (a), as account models it: L = {L} blocks, each saving s = {mib(s)} MiB for "
             f"backward; a checkpointed run keeps only its input, a = B x T x d_model x {width} B = {B} x {T} x "
             f"{cfg.n_embd} x {width} B = {mib(a)} MiB",
-            f"  none: L s = {L} x {mib(s)} = {mib(L * s)} MiB of blocks' activations: O(L)",
+            f"  none: L s = {L} x {mib(s)} = {mib(L * s)} MiB of blocks' activations: O(L) (with what the head and "
+            f"the loss save, account's total: {mib(most_saved(pred['none', 0]))} MiB)",
             f"  flat, runs of g blocks recomputed whole: about L/g a + g s, least near g = sqrt(L a / s) = "
             f"{math.sqrt(L * a / s):.1f}, about 2 sqrt(L a s): O(sqrt(L)), for one extra forward; account's least: "
             f"g={g_flat}, {mib(flat)} MiB",

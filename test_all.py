@@ -1847,16 +1847,28 @@ def test_memory_bad_input():
 @gpu
 def test_memory_on_the_gpu():
     """Predicted peak within 10% of max_memory_allocated; snapshots of both phases at T=128 and 2048 (position table
-    grown), summarized; nested checkpointing runs; a batch too big names one that fits."""
+    grown), fp32 and bf16, summarized, each timeline's peak that of the trace's phases; nested checkpointing runs; a
+    batch too big names one that fits."""
+    import pickle
     for fused, dtype in ((fused, dtype) for fused in (True, False) for dtype in (None, torch.bfloat16)):
         cfg = gpt.make_config("gpt2", fused_ce=fused)
         measured = max(memory.measure_step(cfg, 8, 512, dtype, torch.device("cuda", 0)).values())
         assert abs(memory.account(cfg, 8, 512, dtype)["peak"] / measured - 1) <= 0.10, (fused, dtype, measured)
     with tempfile.TemporaryDirectory() as d:
-        for seq in (128, 2048):
-            out, err = main_ok("memory.py", "snapshot", "--seq", seq, "--batch", 2, "--bf16", "--out", f"{d}/s.pickle")
-            assert os.path.getsize(f"{d}/s.pickle") > 0 and "memory_viz" in out and "step: backward" in out, out
-            assert ("position table" in out) == (seq == 2048), out
+        out, err = main_ok("memory.py", "snapshot", "--seq", 128, "--batch", 2, "--bf16", "--out", f"{d}/s.pickle")
+        assert os.path.getsize(f"{d}/s.pickle") > 0 and "memory_viz" in out and "step: backward" in out, out
+        assert "position table" not in out, out
+        plot = ["--plot", f"{d}/s.png"] if importlib.util.find_spec("matplotlib") else []
+        out, err = main_ok("memory.py", "snapshot", "--seq", "128,2048", "--batch", 2, "--dtypes", "fp32,bf16",
+                           "--out", f"{d}/s.pickle", *plot)
+        assert "position table" in out and (not plot or os.path.getsize(plot[1]) > 0), out
+        for T in (128, 2048):
+            for name in ("fp32", "bf16"):
+                with open(f"{d}/s_T{T}_{name}.pickle", "rb") as f:
+                    _, _, levels = memory.active_timeline(pickle.load(f), 0)
+                row = next(line for line in out.splitlines() if line.startswith(f"gpt2 B=2 T={T} {name} "))
+                peaks = [float(cell.replace(",", "")) for cell in row.split()[4:6]]  # inference forward, step
+                assert abs(max(levels) / 2**20 / max(peaks) - 1) < 0.005, (row, max(levels))
     out, _ = main_ok("memory.py", "checkpoint", "--model", "gpt2", "--batch", 2, "--seq", 2048, "--groups", "3",
                      "--rounds", 2, "--bf16")
     assert "checkpoint: best" in out and "nested g=3" in out, out
