@@ -4,22 +4,23 @@ A step holds the weights and AdamW's state (16 bytes per parameter), the activat
 backward, and short-lived buffers whose timing decides the peak. `account` lists what is alive at
 each moment of a step, one function per component, checked against live tensors on a CPU and
 max_memory_allocated on a GPU; `checkpoint` trades activations for recomputation, flat or nested
-(sqrt(L) groups); `parallel` is the course's calculator for collectives, DP, ZeRO, FSDP and TP.
+(sqrt(L) groups); `parallel` is the course's calculator for collectives, DP, ZeRO, FSDP and TP;
+`snapshot` records the allocator's own history for memory_viz and draws its timeline.
 
     python memory.py account --model gpt2 --seq 1024 --batch 16 --bf16 [--compile]   # predicted vs measured
     python memory.py account --sweep --batch 8 [--model xl] [--unfused]   # gpt2..xl x 128..1024 x fp32/bf16
     python memory.py account --model 2.7B --batch 16 --seq 1024 --bf16 --vocab 50304 --fsdp --compile
     python memory.py checkpoint --model xl --batch 4 --seq 2048 --bf16 [--full]   # each at its best [every size]
     python memory.py parallel --bf16 [--devices 64 --tp 4 | --model xl --tp 5 --devices 10]   # pure arithmetic
-    python memory.py parallel --bf16 --tflops 990     # + the handout's FFN layer: compute against communication
-    python memory.py snapshot --seq 2048 --batch 2 --bf16 --phase both --out snap.pickle    # for memory_viz"""
+    python memory.py parallel --bf16 --tflops 990     # + the handout's FFN layer, each answer's expression
+    python memory.py snapshot --model 2.7B --batch 4 --seq 128,2048 --dtypes fp32,bf16 --plot snap.png"""
 
 import argparse
 import math
 import os
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -29,8 +30,8 @@ from torch.utils.checkpoint import checkpoint
 
 from gpt import (CE_CHUNK_ROWS, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, GPTConfig, amp_dtype, autocast,
                  check_host_memory, check_output_path, compare, compile_model, configure_optimizer, fail, float_in,
-                 free_memory, gib, int_in, int_list, is_oom, make_config, on_device, print_table, resolve_device,
-                 run_main, saved_tensor_bytes, synchronize, train_step)
+                 free_memory, gib, int_in, int_list, is_oom, make_config, name_list, on_device, plot_path, plot_to,
+                 print_table, resolve_device, run_main, saved_tensor_bytes, synchronize, train_step)
 
 PARTS = ("account", "checkpoint", "parallel", "snapshot")
 SWEEP_MODELS = ("gpt2", "medium", "large", "xl")  # "small" has gpt2's shape
@@ -673,6 +674,55 @@ def measure_checkpointing(model, opt, x, y, dtype, device, variants, rounds):
     return measured
 
 
+def least_activations(pred, scheme, L):
+    """(g, bytes): the group size whose step saves the least for backward at any moment, then the lowest peak."""
+    g = min(range(1, L + 1), key=lambda g: (most_saved(pred[scheme, g]), pred[scheme, g]["peak"]))
+    return g, most_saved(pred[scheme, g])
+
+
+def strategy_lines(cfg, B, T, dtype, device_type, pred):
+    """The course's question (a), answered with account's model of this model: what flat and nested groups keep at
+    their least, in the terms a written answer uses (a block's saved bytes s, a run's input a), and how it grows."""
+    L, s = cfg.n_layer, pred["none", 0]["layer"]
+    width = sizes_of(cfg, B, T, dtype, device_type, 1).resid  # a run keeps its input: one residual stream tensor
+    a = width * B * T * cfg.n_embd
+    (g_flat, flat), (g_nested, nested) = (least_activations(pred, scheme, L) for scheme in SCHEMES)
+    return [f"gradient_checkpointing (a), as account models it: L = {L} blocks, each saving s = {mib(s)} MiB for "
+            f"backward; a checkpointed run keeps only its input, a = B x T x d_model x {width} B = {B} x {T} x "
+            f"{cfg.n_embd} x {width} B = {mib(a)} MiB",
+            f"  none: L s = {L} x {mib(s)} = {mib(L * s)} MiB of blocks' activations: O(L) (with what the head and "
+            f"the loss save, account's total: {mib(most_saved(pred['none', 0]))} MiB)",
+            f"  flat, runs of g blocks recomputed whole: about L/g a + g s, least near g = sqrt(L a / s) = "
+            f"{math.sqrt(L * a / s):.1f}, about 2 sqrt(L a s): O(sqrt(L)), for one extra forward; account's least: "
+            f"g={g_flat}, {mib(flat)} MiB",
+            f"  nested, each block checkpointed again inside its run's recompute: about (L/g + g) a + s, least near "
+            f"g = sqrt(L) = {math.sqrt(L):.1f}, about 2 sqrt(L) a + s: O(sqrt(L)) inputs and one block, for two extra "
+            f"forwards; account's least: g={g_nested}, {mib(nested)} MiB",
+            "  nesting deeper (account models one and two levels, not this): halving every run down to single blocks "
+            "keeps about log2(L) inputs and one block, O(log L), for O(L log L) compute; the least of all, one block "
+            "and the model's input, O(1), comes from wrapping each checkpoint around all the blocks below it, every "
+            "block then recomputed from the input: O(L^2) compute"]
+
+
+def depth_rows(cfg, B, T, dtype, device_type):
+    """How the least activations grow with depth: [L, none, flat g, flat, nested g, nested] for L/4 .. 4 L layers of
+    this width, each by account (none grows as L, both schemes as sqrt(L))."""
+    rows = []
+    for L in sorted({max(1, cfg.n_layer // 4), max(1, cfg.n_layer // 2), cfg.n_layer, 2 * cfg.n_layer,
+                     4 * cfg.n_layer}):
+        pred = predictions(replace(cfg, n_layer=L), B, T, dtype, device_type)
+        (g_flat, flat), (g_nested, nested) = (least_activations(pred, scheme, L) for scheme in SCHEMES)
+        rows.append([L, mib(most_saved(pred["none", 0])), g_flat, mib(flat), g_nested, mib(nested)])
+    return rows
+
+
+def print_strategy(cfg, B, T, dtype, device_type, pred):
+    print("\n".join(strategy_lines(cfg, B, T, dtype, device_type, pred)))
+    print_table([f"layers (d={cfg.n_embd}, B={B}, T={T})", "none: activations MiB", "flat: least at g", "flat MiB",
+                 "nested: least at g", "nested MiB"], depth_rows(cfg, B, T, dtype, device_type))
+    print()
+
+
 def best_of(measured):  # the lowest measured peak; within 1% of it, the fastest
     fit = {v: (t, peak) for v, (t, peak) in measured.items() if peak is not None}
     low = min(peak for _, peak in fit.values())
@@ -698,23 +748,20 @@ def part_checkpoint(device, cfg, B, T, dtype, rounds, sizes, full=False):
     """Predicted and measured peak and step time of no checkpointing, then flat and nested groups of each size."""
     cuda, L = device.type == "cuda", cfg.n_layer
     pred = predictions(cfg, B, T, dtype, device.type)
-    best = {scheme: min(range(1, L + 1), key=lambda g: (most_saved(pred[scheme, g]), pred[scheme, g]["peak"]))
-            for scheme in SCHEMES}  # least saved activations, then the lowest peak
+    print_strategy(cfg, B, T, dtype, device.type, pred)  # arithmetic: the written answer before the measurements
+    best = {scheme: least_activations(pred, scheme, L)[0] for scheme in SCHEMES}
     variants = checkpoint_variants(best, L, sizes, full)
     measuring = f"g in {sorted({g for _, g in variants[1:]})}"
     if not (sizes or full):
-        measuring = f"each at that g (--full: g in {full_sizes(best, L)})"
-    print(f"{L} layers (d={cfg.n_embd}), B={B}, T={T}, {'bf16' if dtype else 'fp32'}: least activations predicted "
-          f"for flat g={best['flat']} ({mib(most_saved(pred['flat', best['flat']]))} MiB), nested g={best['nested']} "
-          f"({mib(most_saved(pred['nested', best['nested']]))} MiB); sqrt(L) = {math.sqrt(L):.1f}; measuring "
-          f"{measuring}")
+        measuring = f"each scheme at its least (--full: g in {full_sizes(best, L)})"
     # the size of the work, said before it starts: at xl, T=2048 in fp32 one step takes seconds on an H200
     steps = len(variants) * (WARMUP_STEPS + rounds)
     shorter = ""
     if full:
         shorter = "; for a shorter run drop --full: none and each scheme at its best g, 3 rounds on a GPU"
-    print(f"checkpoint: timing {len(variants)} variants x {rounds} rounds at {L} layers: {steps} train steps of B={B}, "
-          f"T={T} ({WARMUP_STEPS} warm-up steps per variant first, then one per round){shorter}")
+    print(f"checkpoint: timing {len(variants)} variants ({measuring}) x {rounds} rounds at {L} layers, "
+          f"{'bf16' if dtype else 'fp32'}: {steps} train steps of B={B}, T={T} ({WARMUP_STEPS} warm-up steps per "
+          f"variant first, then one per round){shorter}")
     if cuda:
         warm_up_libraries(device, dtype)
     try:
@@ -735,8 +782,8 @@ def part_checkpoint(device, cfg, B, T, dtype, rounds, sizes, full=False):
     print_table(["checkpointing", "predicted activations MiB", "predicted peak MiB", "predicted peak moment",
                  f"measured peak MiB ({'allocated' if cuda else 'live tensors'})", "error %",
                  f"ms/step, median (min-max) of {rounds} rounds", "vs none (paired)"], rows)
-    print("flat g: a run keeps its input and is recomputed whole: L/g inputs + g whole blocks alive at most; nested "
-          "g: L/g + g - 1 inputs + one whole block, for a third forward; past the least, the state sets the peak")
+    print("past the least activations the weights, gradients and AdamW state set the peak: more recomputation buys "
+          "little memory there")
     if all(peak is None for _, peak in measured.values()):
         print("checkpoint: nothing fit, even nested; lower --batch or --seq")
         return
@@ -983,10 +1030,111 @@ def most_devices(B, D, F, C, W, key, limit=1 << 20):
     return best
 
 
+def as_number(value):  # a number put into a printed expression: exact enough to check, and valid Python (1.8e+11)
+    return f"{value:.10g}"
+
+
+def in_flops(value):
+    return f"{value:.4g} FLOPs"
+
+
+def in_ms(seconds):
+    return f"{seconds * 1e3:,.3f} ms"
+
+
+def answer(part, lhs, symbols, numbers, result, why):
+    """One part of a written answer: the expression in the handout's symbols, the same with the numbers put in, its
+    value, then why, in words (the handout asks for a sentence)."""
+    return f"  ({part}) {lhs} {symbols} = {numbers} = {result}: {why}"
+
+
+TP_BACKWARD = ("  (a) backward on TP rank i: dz(i) = dy W3(i)^T; dx2(i) = dz(i) * f(x1(i)); "
+               "dx1(i) = dz(i) * f'(x1(i)) * x2(i); dW3(i) = z(i)^T dy; dW2(i) = x^T dx2(i); dW1(i) = x^T dx1(i); "
+               "dx = all-reduce over i of (dx1(i) W1(i)^T + dx2(i) W2(i)^T): each rank's dx is a partial sum over "
+               "its D_FF / N_TP columns")
+
+
+def ffn_answers(B, D, F, C, W, N, t):
+    """The handout's four calculation problems on its FFN layer, part by part as a student writes them: {problem:
+    [lines]}. Each value is ffn_costs' (the table's arithmetic) or a closed form checked against most_devices; the
+    expressions say how, in the handout's symbols and then with these numbers. 2-byte values: W1, W2 and W3 are
+    2 x 3 D D_FF bytes. DP and FSDP over N devices, TP over t, FSDP x TP over N/t x t."""
+    n = N // t
+    one, grid = ffn_costs(B, D, F, C, W, N, t), ffn_costs(B, D, F, C, W, n, t)
+    b, d, f, c, w = (as_number(v) for v in (B, D, F, C, W))
+    forward, backward, weights = f"6 x {b} x {d} x {f}", f"12 x {b} x {d} x {f}", f"2 x 3 x {d} x {f}"
+    matmuls = "x W1, x W2 and z W3, 2 B D D_FF FLOPs each over all the rows"
+    twice = "dX and dW of each of the three: twice the forward"
+    dp_bound = 1 + B * W / C
+    tp_forward, tp_backward = 1 + 1.5 * F * W / C, 1 + 3 * F * W / C
+    in_turn = (3 * B * F * W / C + 3 * F + 2 * B) ** 2 / (24 * B * F)
+    overlapped = grid[("FSDP x TP", "forward, axes overlapped")]
+    sequential = grid[("FSDP x TP", "forward, axes in turn")]
+    fsdp_axis = f"({n} - 1) / {n} x {weights} / ({t} x {w})"
+    tp_axis = f"2 x ({t} - 1) / {t} x 2 x ({b} / {n}) x {d} / {w}"
+    return {
+        f"data_parallel_calcs, N_DP = {N}": [
+            answer("a", "backward FLOPs per device =", "12 B D D_FF / N_DP", f"{backward} / {N}",
+                   in_flops(one[("DP", "backward")][0]),
+                   "dX and dW of W1, W2 and W3, 2 B D D_FF FLOPs each over all the rows, the rows split N_DP ways"),
+            answer("b", "backward communication =", "2 (N_DP - 1) / N_DP x 2 x 3 D D_FF / W",
+                   f"2 x ({N} - 1) / {N} x {weights} / {w}", in_ms(one[("DP", "backward")][2]),
+                   "a ring all-reduce (a reduce-scatter, then an all-gather) of the 2-byte gradients of W1, W2, W3"),
+            answer("c", "N_DP <=", "1 + B W / C", f"1 + {b} x {w} / {c}", f"{dp_bound:,.1f} devices",
+                   "compute hides the all-reduce while 12 B D D_FF / (N_DP C) >= 12 (N_DP - 1) D D_FF / (N_DP W)")],
+        f"fsdp_calcs, N_FSDP = {N}": [
+            answer("a", "forward FLOPs per device =", "6 B D D_FF / N_FSDP", f"{forward} / {N}",
+                   in_flops(one[("FSDP", "forward")][0]), f"{matmuls}, the rows split N_FSDP ways"),
+            answer("a", "backward FLOPs per device =", "12 B D D_FF / N_FSDP", f"{backward} / {N}",
+                   in_flops(one[("FSDP", "backward")][0]), twice),
+            answer("b", "forward communication =", "(N_FSDP - 1) / N_FSDP x 2 x 3 D D_FF / W",
+                   f"({N} - 1) / {N} x {weights} / {w}", in_ms(one[("FSDP", "forward")][2]),
+                   "a ring all-gather of W1, W2, W3 before the pass"),
+            answer("b", "backward communication =", "2 (N_FSDP - 1) / N_FSDP x 2 x 3 D D_FF / W",
+                   f"2 x ({N} - 1) / {N} x {weights} / {w}", in_ms(one[("FSDP", "backward")][2]),
+                   "all-gather them again, then reduce-scatter their gradients: the same bytes twice"),
+            answer("c", "N_FSDP <=", "1 + B W / C", f"1 + {b} x {w} / {c}", f"{dp_bound:,.1f} devices",
+                   "forward and backward alike: compute and communication both double in backward")],
+        f"tp_calcs, N_TP = {t}": [
+            TP_BACKWARD,
+            answer("b", "forward FLOPs per device =", "6 B D D_FF / N_TP", f"{forward} / {t}",
+                   in_flops(one[("TP", "forward")][0]), f"{matmuls}, each rank on D_FF / N_TP hidden columns"),
+            answer("b", "backward FLOPs per device =", "12 B D D_FF / N_TP", f"{backward} / {t}",
+                   in_flops(one[("TP", "backward")][0]), twice),
+            answer("c", "forward communication =", "2 (N_TP - 1) / N_TP x 2 B D / W",
+                   f"2 x ({t} - 1) / {t} x 2 x {b} x {d} / {w}", in_ms(one[("TP", "forward")][2]),
+                   "a ring all-reduce of y's partial sums, (B, D) in 2 bytes"),
+            answer("c", "backward communication =", "2 (N_TP - 1) / N_TP x 2 B D / W",
+                   f"2 x ({t} - 1) / {t} x 2 x {b} x {d} / {w}", in_ms(one[("TP", "backward")][2]),
+                   "a ring all-reduce of dx's partial sums, the same size"),
+            answer("d", "forward: N_TP <=", "1 + 1.5 D_FF W / C", f"1 + 1.5 x {f} x {w} / {c}",
+                   f"{tp_forward:,.1f} devices", "while 6 B D D_FF / (N_TP C) >= 4 (N_TP - 1) B D / (N_TP W)"),
+            answer("d", "backward: N_TP <=", "1 + 3 D_FF W / C", f"1 + 3 x {f} x {w} / {c}",
+                   f"{tp_backward:,.1f} devices", "twice the compute against the same all-reduce")],
+        f"fsdp_tp_calcs, N_FSDP x N_TP = {n} x {t}": [
+            answer("a", "forward FLOPs per device =", "6 B D D_FF / (N_FSDP N_TP)", f"{forward} / ({n} x {t})",
+                   in_flops(overlapped[0]), f"{matmuls}, each device on B / N_FSDP rows and D_FF / N_TP columns"),
+            answer("b", "forward communication, axes overlapped =",
+                   "max((N_FSDP - 1) / N_FSDP x 2 x 3 D D_FF / (N_TP W), 2 (N_TP - 1) / N_TP x 2 (B / N_FSDP) D / W)",
+                   f"max({fsdp_axis}, {tp_axis})", in_ms(overlapped[2]),
+                   "the FSDP axis all-gathers this TP rank's weights while the TP axis all-reduces y(j), "
+                   "(B / N_FSDP, D)"),
+            answer("b", "forward communication, axes in turn =", "the same two terms added", f"{fsdp_axis} + {tp_axis}",
+                   in_ms(sequential[2]), "one collective after the other, on shared links"),
+            answer("c", "N <=", "(1 + B W / C) (1 + 1.5 D_FF W / C)",
+                   f"(1 + {b} x {w} / {c}) x (1 + 1.5 x {f} x {w} / {c})", f"{dp_bound * tp_forward:,.1f} devices",
+                   "overlapped, each axis has its own bound: N_FSDP <= 1 + B W / C and N_TP <= 1 + 1.5 D_FF W / C"),
+            answer("d", "N <=", "(3 B D_FF W / C + 3 D_FF + 2 B)^2 / (24 B D_FF)",
+                   f"(3 x {b} x {f} x {w} / {c} + 3 x {f} + 2 x {b})^2 / (24 x {b} x {f})", f"{in_turn:,.1f} devices",
+                   "in turn the axes share one budget, 3 D_FF (N_FSDP - 1) + 2 B (N_TP - 1) <= 3 B D_FF W / C, best "
+                   "split with 3 D_FF N_FSDP and 2 B N_TP each half the bracket (about 3/8 B D_FF W^2 / C^2 when both "
+                   "are large)")]}
+
+
 def print_ffn(B, D, F, C, W, N, t):
     """The handout's FFN questions, numerically: FLOPs, compute and communication time per device (DP and FSDP over
-    N devices, TP over t, FSDP x TP over N/t x t), then the most devices each scheme reaches compute-bound, beside
-    the bound's closed form."""
+    N devices, TP over t, FSDP x TP over N/t x t) and the most devices each scheme reaches compute-bound; then each
+    problem's parts as expressions, symbols first (ffn_answers)."""
     n = N // t
     print(f"\nthe handout's FFN layer: B={B:,} rows, D={D:,}, D_FF={F:,}, 2-byte values, C={C / 1e12:g} TFLOP/s, "
           f"W={W / GB:g} GB/s egress, latency ignored; DP and FSDP over {N} devices, TP over {t}, FSDP x TP over "
@@ -1005,16 +1153,12 @@ def print_ffn(B, D, F, C, W, N, t):
                      f"{most_devices(B, D, F, C, W, key):,}"])
     print_table(["scheme, pass", "FLOPs per device", "compute ms", "communication ms", "bound by",
                  "most devices, compute-bound"], rows)
-    dp, tp_forward = 1 + B * W / C, 1 + 1.5 * F * W / C
-    print(f"  closed forms (ring collectives, N devices): DP and FSDP stay compute-bound while N <= 1 + B W / C = "
-          f"{dp:,.1f}; TP forward while N <= 1 + 1.5 D_FF W / C = {tp_forward:,.1f}, backward while "
-          f"N <= 1 + 3 D_FF W / C = {1 + 3 * F * W / C:,.1f}")
-    print(f"  FSDP x TP forward: with the axes overlapped each axis has its own bound, N <= (1 + B W / C)"
-          f"(1 + 1.5 D_FF W / C) = {dp * tp_forward:,.1f}; in turn they share one budget, 3 D_FF (n-1) + 2 B (t-1) "
-          f"<= 3 B D_FF W / C, so with K = 3 B D_FF W / C + 3 D_FF + 2 B the best split is 3 D_FF n = 2 B t = K / 2: "
-          f"N <= K^2 / (24 B D_FF) = {(3 * B * F * W / C + 3 * F + 2 * B) ** 2 / (24 * B * F):,.1f} (about "
-          f"3/8 B D_FF W^2 / C^2 when n and t are large)")
+    print("the handout's written answers, part by part: each expression in its symbols, then with these numbers, "
+          "then its value")
+    for problem, lines in ffn_answers(B, D, F, C, W, N, t).items():
+        print(f"{problem}\n" + "\n".join(lines))
     weights = 2 * 3 * D * F
+    print("alternate_ring_all_reduce")
     print(f"  alternate ring all-reduce of the {weights / GB:.4g} GB of weights (each device passes whole tensors "
           f"on, N-1 steps of S bytes): (N-1) S / W = {(N - 1) * weights / W * 1e3:,.2f} ms over {N} devices, "
           f"against the ring's 2(N-1)/N S / W = {2 * (N - 1) / N * weights / W * 1e3:,.2f} ms")
@@ -1067,6 +1211,9 @@ def trace_length(device):  # entries recorded so far; a mark between phases
     return len(torch.cuda.memory._snapshot()["device_traces"][device.index])
 
 
+INFERENCE = "inference forward (no grad)"
+
+
 def record_phases(model, opt, x, y, dtype, device, phase):
     """Marks [(phase, trace length)] while recording an inference forward (no grad: nothing saved, the logits whole)
     and/or a training step (forward, backward, optimizer)."""
@@ -1074,13 +1221,16 @@ def record_phases(model, opt, x, y, dtype, device, phase):
     if phase in ("forward", "both"):
         with torch.no_grad(), autocast(device, dtype):
             model(x)
-        marks.append(("inference forward (no grad)", trace_length(device)))
+        marks.append((INFERENCE, trace_length(device)))
     if phase in ("step", "both"):
         step(model, opt, x, y, dtype, lambda name: marks.append((f"step: {name}", trace_length(device))))
     return marks
 
 
-def part_snapshot(device, cfg, B, T, dtype, phase, out, top):
+def record_snapshot(device, cfg, B, T, dtype, phase, out):
+    """One run: a fresh model, AdamW's state made by one step, then the allocator's history of `phase` written to
+    `out`. Returns (snapshot, marks, bytes allocated when recording began, peak allocated), or None out of memory
+    (the caller frees what the run made)."""
     try:
         with torch.device(device):
             model = GPT(cfg)
@@ -1089,22 +1239,154 @@ def part_snapshot(device, cfg, B, T, dtype, phase, out, top):
         synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+        # a history of this run alone: the marks count its entries from 0
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python", clear_history=True)
         marks = record_phases(model, opt, x, y, dtype, device, phase)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_oom(e):
             raise
         torch.cuda.memory._record_memory_history(enabled=None)
-        model = opt = x = y = e = None
-        free_memory()
-        fail_out_of_memory(cfg, B, T, dtype, device)
+        return None
     torch.cuda.memory._dump_snapshot(out)
-    summary = trace_summary(torch.cuda.memory._snapshot()["device_traces"][device.index], marks, top)
+    snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    print_trace_summary(summary, base)
-    print(f"snapshot: {phase} recorded in {out}, peak {gib(torch.cuda.max_memory_allocated(device))} GiB allocated "
-          f"(weights and AdamW state {gib(base)} GiB); drag the file onto https://pytorch.org/memory_viz to see every "
-          f"allocation, its size and the Python line that made it")
+    return snapshot, marks, base, torch.cuda.max_memory_allocated(device)
+
+
+def peak_cells(summary, base):
+    """[inference forward peak, training step peak, the step's phase at its peak] in allocated MiB, n/a where that
+    part was not recorded (--phase)."""
+    steps = {phase.removeprefix("step: "): peak for phase, (peak, _) in summary.items() if phase != INFERENCE}
+    cells = ["n/a", "n/a", "n/a"]
+    if INFERENCE in summary:
+        cells[0] = mib(base + summary[INFERENCE][0])
+    if steps:
+        at = max(steps, key=steps.get)
+        cells[1:] = [mib(base + steps[at]), at]
+    return cells
+
+
+def active_timeline(snapshot, device=0):
+    """(start, [trace entry], [bytes allocated after it]) over the allocations and frees of the allocator's trace of
+    `device` in a snapshot (torch.cuda.memory._snapshot()): the active memory timeline memory_viz draws. A block
+    counts until its free completes (a free still waiting on another stream leaves it active). start, what was
+    allocated when recording began: the blocks still active in the snapshot's segments, less what the trace added."""
+    trace = snapshot["device_traces"][device]
+    sign = {"alloc": 1, "free_completed": -1}
+    changes = [(i, sign[entry["action"]] * entry["size"]) for i, entry in enumerate(trace) if entry["action"] in sign]
+    active = sum(block["size"] for segment in snapshot["segments"] if segment.get("device", device) == device
+                 for block in segment["blocks"] if block["state"] != "inactive")
+    start = active - sum(change for _, change in changes)
+    entries, levels, level = [], [], start
+    for i, change in changes:
+        level += change
+        entries.append(i)
+        levels.append(level)
+    return start, entries, levels
+
+
+def timeline_panel(snapshot, marks, title, device=0):
+    """One run as plot_timelines draws it: its active memory timeline, and its phases as spans of trace entries."""
+    start, entries, levels = active_timeline(snapshot, device)
+    spans, first = [], 0
+    for phase, end in marks:
+        spans.append((phase, first, end))
+        first = end
+    return {"title": title, "start": start, "entries": entries, "levels": levels, "spans": spans}
+
+
+def plot_timelines(panels, path):
+    """A panel per run: allocated GiB against the trace's entries in order, as memory_viz draws it (the entries'
+    time_us would stretch the pauses where the phases are marked), each phase shaded, the starting level dashed."""
+    plt = plot_to(path)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels):
+        x, y = [0, *panel["entries"]], [level / 2**30 for level in (panel["start"], *panel["levels"])]
+        ax.fill_between(x, y, step="post", alpha=0.3)
+        ax.plot(x, y, drawstyle="steps-post", linewidth=0.8)
+        ax.axhline(y[0], color="gray", linestyle="--", linewidth=0.8, label="when recording began")
+        for i, (phase, first, end) in enumerate(panel["spans"]):
+            ax.axvspan(first, end, color=f"C{i + 1}", alpha=0.15, label=phase)
+        ax.set(title=f"{panel['title']}: peak {max(y):.2f} GiB", xlabel="allocator trace entry",
+               ylabel="allocated GiB")
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+SNAPSHOT_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # --dtypes: autocast's dtype for each name
+
+
+def residual_stream_bytes(B, T, d, width):
+    """One block's output, the residual stream it hands the next: B x T x d_model values of `width` bytes."""
+    return B * T * d * width
+
+
+def print_residual_stream(B, seqs, d):
+    """The residual stream's size per block, from the shapes alone (the course asks for it in fp32)."""
+    rows = [[f"{B} x {T} x {d}", mib(residual_stream_bytes(B, T, d, 4)), mib(residual_stream_bytes(B, T, d, 2))]
+            for T in seqs]
+    print_table(["residual stream per block, B x T x d_model", "fp32 MiB", "bf16 MiB"], rows)
+    print("  B x T x d_model x bytes / 2^20; under --bf16 autocast this model's stream stays fp32 (the weights are "
+          "fp32, and a matmul's bf16 output added to it is promoted): its blocks' outputs are the fp32 column\n")
+
+
+def is_pickle(path):  # a file this script wrote: a pickle starts with its protocol byte, 0x80
+    with open(path, "rb") as f:
+        return f.read(1) == b"\x80"
+
+
+def snapshot_paths(out, runs):
+    """The .pickle of each run: --out itself for one run, else --out named for its context and dtype
+    (snap.pickle -> snap_T2048_bf16.pickle)."""
+    if len(runs) == 1:
+        return [out]
+    stem = out.removesuffix(".pickle")
+    return [f"{stem}_T{T}_{name}.pickle" for T, name in runs]
+
+
+def part_snapshot(device, model, B, runs, overrides, phase, paths, top, plot):
+    """runs [(seq, dtype name)], each recorded into its path, its phases' peaks and largest allocations printed;
+    then every run's peaks side by side (context against context, fp32 against bf16) and, with plot, their
+    timelines. Out of memory: the one run refused with the batch that fits, or one run of several reported."""
+    cfgs = {T: config_of(model, T, **overrides) for T, _ in runs}
+    print_residual_stream(B, list(cfgs), cfgs[runs[0][0]].n_embd)
+    rows, panels, highest = [], [], (0, "")
+    for (T, name), path in zip(runs, paths):
+        what, dtype = f"{model} B={B} T={T} {name}", SNAPSHOT_DTYPES[name]
+        print(f"{what}: recording into {path}", flush=True)  # a run of 2.7B takes seconds
+        recorded = record_snapshot(device, cfgs[T], B, T, dtype, phase, path)
+        free_memory()
+        if recorded is None and len(runs) == 1:
+            fail_out_of_memory(cfgs[T], B, T, dtype, device)
+        if recorded is None:
+            print(f"{what}: out of memory, not recorded; the next run goes on\n")
+            rows.append([what, "OOM", "OOM", "n/a", "n/a"])
+            continue
+        snapshot, marks, base, peak = recorded
+        summary = trace_summary(snapshot["device_traces"][device.index], marks, top)
+        print_trace_summary(summary, base)
+        print()
+        rows.append([what, *peak_cells(summary, base), mib(base)])
+        highest = max(highest, (peak, what))
+        if plot:
+            panels.append(timeline_panel(snapshot, marks, what, device.index))
+    print_table(["run", "inference forward peak MiB", "train step peak MiB", "the step's peak phase",
+                 "weights + AdamW state MiB"], rows)
+    print("  peaks are allocated bytes (max over the phase), the weights and AdamW state included")
+    if panels:
+        plot_timelines(panels, plot)
+    if not highest[1]:
+        print("snapshot: no run fit in this GPU's memory; lower --batch or --seq")
+        return
+    recorded_in = f"recorded in {paths[0]}"
+    if len(paths) > 1:
+        recorded_in = f"recorded in {len(paths)} files ({paths[0]} ... {paths[-1]})"
+    print(f"snapshot: {phase} {recorded_in}, highest peak {gib(highest[0])} GiB allocated ({highest[1]}); drag a "
+          f"file onto https://pytorch.org/memory_viz to see every allocation, its size and the Python line that "
+          f"made it")
 
 # takeaway: when the model and the allocator disagree, the snapshot names every allocation and its line.
 
@@ -1135,7 +1417,8 @@ def parse(argv):
     p.add_argument("--model", help="preset (default gpt2 on a GPU, xl for checkpoint, tiny on a CPU; parallel: the "
                                    "course's worked model of two-linear blocks)")
     p.add_argument("--batch", type=int_in(1), help="sequences (parallel: the global batch)")
-    p.add_argument("--seq", type=int_in(1, MAX_SEQ), help="tokens (beyond a preset's block size wpe grows)")
+    p.add_argument("--seq", type=int_list(1, MAX_SEQ), help="tokens (beyond a preset's block size wpe grows); "
+                   "snapshot and account --sweep take a list, e.g. 128,2048")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast, fp32 weights; parallel: 2-byte activations")
     p.add_argument("--attn", help="attention implementation (default sdpa)")
     p.add_argument("--vocab", type=int_in(GPT2_VOCAB), help=f"vocabulary (default {GPT2_VOCAB})")
@@ -1157,7 +1440,13 @@ def parse(argv):
     p.add_argument("--phase", choices=("forward", "step", "both"),
                    help="snapshot: an inference forward (no grad), a training step, or both (default)")
     p.add_argument("--top", type=int_in(1), help="snapshot: largest allocations listed per phase (default 5)")
-    p.add_argument("--out", help="snapshot: the .pickle to write (default memory_snapshot.pickle)")
+    p.add_argument("--out", help="snapshot: the .pickle to write (default memory_snapshot.pickle; several runs: one "
+                   "file each, named for its seq and dtype)")
+    p.add_argument("--dtypes", type=name_list(list(SNAPSHOT_DTYPES), "dtype"),
+                   help="snapshot: the precisions to record one after the other, e.g. fp32,bf16 (default fp32, or "
+                        "bf16 with --bf16)")
+    p.add_argument("--plot", type=plot_path, help="snapshot: draw each run's active memory timeline, its phases "
+                   "shaded, into this figure (.png, .pdf, .svg, ...: the name's extension; needs matplotlib)")
     p.add_argument("--devices", type=int_in(1), help="parallel: devices in all (default 64)")
     p.add_argument("--tp", type=int_in(1),
                    help="parallel: tensor-parallel degree of the TP layouts (default 4, or 2 or 1 to divide --devices)")
@@ -1183,7 +1472,7 @@ READ_BY = {"unfused": (("account", "snapshot"), "account and snapshot"),
            **dict.fromkeys(("fsdp", "ddp", "compile", "sweep"), (("account",), "account")),
            "world": (("account",), "account --fsdp or --ddp (parallel counts its ranks with --devices)"),
            **dict.fromkeys(("rounds", "groups", "full"), (("checkpoint",), "checkpoint")),
-           **dict.fromkeys(("phase", "top", "out"), (("snapshot",), "snapshot")),
+           **dict.fromkeys(("phase", "top", "out", "dtypes", "plot"), (("snapshot",), "snapshot")),
            "device": (("account", "checkpoint", "snapshot"),
                       "account, checkpoint and snapshot (parallel is pure arithmetic)"),
            **dict.fromkeys(PARALLEL_FLAGS, (("parallel",), "parallel"))}
@@ -1218,6 +1507,11 @@ def checks(args, cuda, cfg, devices, tp):
             (not args.groups or max(args.groups) <= cfg.n_layer,
              f"--groups {max(args.groups or [0])} is larger than the model's {cfg.n_layer} layers"),
             (args.out is None or args.out.endswith(".pickle"), f"--out {args.out} must name a .pickle file"),
+            (len(args.seq or [0]) == 1 or args.part == "snapshot" or args.sweep,
+             f"--seq takes one length for {args.part}; a list is read by snapshot and account --sweep"),
+            (len(set(args.seq or [])) == len(args.seq or []), "--seq names a length twice"),
+            (len(set(args.dtypes or [])) == len(args.dtypes or []), "--dtypes names a precision twice"),
+            (not (args.dtypes and args.bf16), "--dtypes names the precisions itself; leave out --bf16"),
             (not (course and args.model), "give --model or the course's --d-model/--d-ff/--layers/--params, not both"),
             (args.part != "parallel" or devices % tp == 0, f"--devices {devices} is not divisible by --tp {tp}"),
             (args.part != "parallel" or not args.model or cfg.n_head % tp == 0,
@@ -1249,7 +1543,8 @@ def main(argv=None):
     try:
         device = resolve_device(args.device)
         model, batch, seq = on_device(device, *DEFAULTS[args.part])
-        model, B, T = args.model or model, args.batch or batch, args.seq or seq
+        model, B, seqs = args.model or model, args.batch or batch, args.seq or [seq]
+        T = max(seqs)  # the longest sets the position table (a list: snapshot and account --sweep)
         overrides = dict(attn=args.attn or "sdpa", vocab_size=args.vocab or GPT2_VOCAB, fused_ce=not args.unfused,
                          recompute=args.recompute or 0)
         cfg = config_of(model or "gpt2", T, **overrides)
@@ -1271,10 +1566,12 @@ def main(argv=None):
                 d, d_ff = args.d_model or XXL[0], course_d_ff(args.d_model, args.d_ff)
             print_ffn(B * T, d, d_ff, args.tflops * 1e12, par["bandwidth_gbs"] * GB, par["devices"], par["tp"])
         return
-    out = args.out or "memory_snapshot.pickle"
-    if args.part == "snapshot":
+    if args.part == "snapshot":  # its runs: every --seq in every --dtypes, a .pickle each
+        recordings = [(t, name) for t in seqs for name in args.dtypes or ["bf16" if args.bf16 else "fp32"]]
+        paths = snapshot_paths(args.out or "memory_snapshot.pickle", recordings)
         try:
-            check_output_path(out, "--out", ours=lambda path: open(path, "rb").read(1) == b"\x80")
+            for path in paths:
+                check_output_path(path, "--out", ours=is_pickle)
         except ValueError as e:
             fail(str(e))
         if not cuda:
@@ -1291,7 +1588,7 @@ def main(argv=None):
         runs = [(model, T, dtype)]
         if args.sweep:
             runs = [(m, t, dt) for m in ([args.model] if args.model else SWEEP_MODELS)
-                    for t in ([args.seq] if args.seq else SWEEP_SEQS) for dt in (None, torch.bfloat16)]
+                    for t in (args.seq or SWEEP_SEQS) for dt in (None, torch.bfloat16)]
         part_account(device, runs, B, overrides, args.compile, args.sweep)
     elif args.part == "checkpoint":
         gpu_rounds, groups = 3, args.groups or on_device(device, [1, 2], None)  # CPU: tiny's 4 layers, g 1 and 2
@@ -1300,7 +1597,7 @@ def main(argv=None):
         rounds = args.rounds or on_device(device, cpu=2, gpu=gpu_rounds)
         part_checkpoint(device, cfg, B, T, dtype, rounds, groups, args.full)
     else:
-        part_snapshot(device, cfg, B, T, dtype, args.phase or "both", out, args.top or 5)
+        part_snapshot(device, model, B, recordings, overrides, args.phase or "both", paths, args.top or 5, args.plot)
 
 
 if __name__ == "__main__":

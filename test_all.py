@@ -1611,6 +1611,111 @@ def test_memory_snapshot_summary_from_a_synthetic_trace():
     assert got["backward"] == (1350, [(1000, "autograd's thread (no Python line)")]), got
     assert got["optimizer"] == (-10, [(10, "gpt.py:13 forward")]), got
 
+def synthetic_snapshot():
+    """A snapshot shaped like torch.cuda.memory._snapshot(): 1,200 bytes allocated before recording (one block freed
+    during it), then allocations and frees (each free requested, then completed) and a segment event; its phases'
+    marks. The active level: 1,200 at the start, a peak of 2,550 in backward, 1,350 at the end."""
+    def entry(action, addr, size, line=0):
+        frames = [{"filename": "/r/gpt.py", "line": line, "name": "forward"}] if line else []
+        return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": 0, "frames": frames}
+    def freed(addr, size):
+        return [entry("free_requested", addr, size), entry("free_completed", addr, size)]
+    trace = [entry("alloc", 1, 100, 10), entry("alloc", 2, 300, 11), *freed(1, 100),
+             entry("segment_alloc", 0, 2 << 20), entry("alloc", 3, 50, 12),  # forward: entries 0-5
+             entry("alloc", 4, 1000), *freed(4, 1000), entry("free_completed", 9, 200),  # backward: 6-9
+             entry("alloc", 5, 10, 13), entry("free_completed", 5, 10)]  # optimizer: 10-11
+    def block(size, state="active_allocated"):
+        return {"size": size, "state": state}
+    segments = [{"device": 0, "blocks": [block(1000), block(300), block(50), block(4096, "inactive")]},
+                {"device": 1, "blocks": [block(777)]}]  # another GPU's: not counted
+    marks = [("step: forward", 6), ("step: backward", 10), ("step: optimizer", 12)]
+    return {"segments": segments, "device_traces": [trace, []]}, marks
+
+def test_memory_snapshot_timeline_png_and_peaks_table():
+    """The active memory timeline from a snapshot (the level before recording from its segments), drawn to a PNG; the
+    snapshot part's tables with the recording mocked (no CUDA here): the residual stream = B T d bytes, a run's peaks,
+    a run out of memory as a row, every run's timeline in one figure."""
+    snapshot, marks = synthetic_snapshot()
+    start, entries, levels = memory.active_timeline(snapshot, 0)
+    assert (start, max(levels), levels[-1]) == (1200, 2550, 1350), (start, levels)
+    assert entries[levels.index(2550)] == 6  # the peak: the 1,000-byte allocation, the first entry of backward
+    has_plt = importlib.util.find_spec("matplotlib") is not None
+    with tempfile.TemporaryDirectory() as d:
+        png = os.path.join(d, "timeline.png")
+        if has_plt:
+            with contextlib.redirect_stdout(io.StringIO()):
+                memory.plot_timelines([memory.timeline_panel(snapshot, marks, "synthetic")], png)
+            with open(png, "rb") as f:
+                assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        runs, results = [(64, "fp32"), (2048, "bf16")], iter([(snapshot, marks, 1200, 2550), None])  # None: OOM
+        out = io.StringIO()
+        with unittest.mock.patch.object(memory, "record_snapshot", lambda *args: next(results)), \
+                contextlib.redirect_stdout(out):
+            memory.part_snapshot(torch.device("cuda", 0), "tiny", 4, runs, {"attn": "sdpa"}, "step",
+                                 memory.snapshot_paths(os.path.join(d, "s.pickle"), runs), 2, png if has_plt else None)
+        out = out.getvalue()
+        assert (not has_plt or f"wrote {png}" in out) and "s_T2048_bf16.pickle" in out, out
+    rows = {line.split("  ")[0]: line.split() for line in out.splitlines() if line.startswith(("4 x ", "tiny B=4"))}
+    for T in (64, 2048):  # tiny: d_model 128
+        assert rows[f"4 x {T} x 128"][-2:] == [f"{4 * T * 128 * w / 2**20:,.2f}" for w in (4, 2)], rows
+    assert rows["tiny B=4 T=64 fp32"][-4:] == ["n/a", memory.mib(2550), "backward", memory.mib(1200)], rows
+    assert rows["tiny B=4 T=2048 bf16"][-4:] == ["OOM", "OOM", "n/a", "n/a"], rows
+    assert "highest peak 0.00 GiB allocated (tiny B=4 T=64 fp32)" in out.splitlines()[-1], out
+
+def answer_lines(out):
+    """{the line's start, up to its symbols: (numbers put in, the printed result)} of every answer parallel prints with
+    a value (tp_calcs (a), the backward's equations, has none)."""
+    answers = {}
+    for line in out.splitlines():
+        parts = line.split(" = ")
+        result = parts[-1].split(":")[0]
+        if re.match(r"  \([a-d]\) ", line) and result.endswith((" FLOPs", " ms", " devices")):
+            answers[" = ".join(parts[:-2])] = (parts[-2], result)
+    return answers
+
+def test_memory_parallel_answers_evaluate_to_their_results():
+    """Each part of the four calculation problems prints its expression in symbols, then with the numbers, then the
+    value: the numbers evaluate to the value printed, and the values are the table's (ffn_costs)."""
+    args = ["--d-model", 1024, "--d-ff", 4096, "--batch", 4096, "--seq", 2, "--devices", 8, "--tp", 2, "--tflops", 500]
+    out, _ = main_ok("memory.py", "parallel", *args)
+    for problem in ("data_parallel_calcs, N_DP = 8", "fsdp_calcs, N_FSDP = 8", "tp_calcs, N_TP = 2",
+                    "fsdp_tp_calcs, N_FSDP x N_TP = 4 x 2", "alternate_ring_all_reduce"):
+        assert f"\n{problem}\n" in out, problem
+    answers = answer_lines(out)
+    assert len(answers) == 19 and "dx = all-reduce over i of" in out, list(answers)
+    for start, (numbers, result) in answers.items():
+        value = eval(numbers.replace(" x ", " * ").replace("^", "**"), {"__builtins__": {}, "max": max})
+        unit = result.split()[-1]
+        printed = {"FLOPs": f"{value:.4g} FLOPs", "ms": f"{value * 1e3:,.3f} ms", "devices": f"{value:,.1f} devices"}
+        assert printed[unit] == result, (start, numbers, result, value)
+    B, D, F, C, W = 8192, 1024, 4096, 500e12, 180e9
+    costs = memory.ffn_costs(B, D, F, C, W, 8, 2)
+    dp_flops = "  (a) backward FLOPs per device = 12 B D D_FF / N_DP"
+    assert answers[dp_flops] == ("12 x 8192 x 1024 x 4096 / 8", f"{costs[('DP', 'backward')][0]:.4g} FLOPs")
+    tp_comm = "  (c) forward communication = 2 (N_TP - 1) / N_TP x 2 B D / W"
+    assert answers[tp_comm][1] == f"{costs[('TP', 'forward')][2] * 1e3:,.3f} ms", answers[tp_comm]
+    overlapped = [v for k, v in answers.items() if k.startswith("  (b) forward communication, axes overlapped")]
+    assert overlapped[0][0].startswith("max((4 - 1) / 4 x 2 x 3 x 1024 x 4096 / (2 x 1.8e+11), "), overlapped
+
+def test_memory_checkpoint_strategy_and_its_growth_in_depth():
+    """checkpoint's answer to the course's question (a) in account's terms: a run keeps one residual stream tensor,
+    each scheme's least activations as account finds them; with depth none grows as L, nested groups as sqrt(L)."""
+    cfg, dtype = memory.config_of("2.7B", 2048), torch.bfloat16
+    pred = memory.predictions(cfg, 4, 2048, dtype, "cuda")
+    lines = memory.strategy_lines(cfg, 4, 2048, dtype, "cuda", pred)
+    a = memory.residual_stream_bytes(4, 2048, 2560, 4)
+    assert f"a = B x T x d_model x 4 B = 4 x 2048 x 2560 x 4 B = {memory.mib(a)} MiB" in lines[0], lines[0]
+    for scheme, line in zip(memory.SCHEMES, lines[2:4]):
+        g, nbytes = memory.least_activations(pred, scheme, 32)
+        assert line.endswith(f"account's least: g={g}, {memory.mib(nbytes)} MiB") and "O(sqrt(L))" in line, line
+    assert "O(log L)" in lines[4] and "O(1)" in lines[4] and "O(L^2) compute" in lines[4], lines[4]
+    rows = memory.depth_rows(cfg, 4, 2048, dtype, "cuda")
+    assert [r[0] for r in rows] == [8, 16, 32, 64, 128], rows
+    none, nested = ([float(r[i].replace(",", "")) for r in rows] for i in (1, 5))
+    steps = [b - a for a, b in zip(none, none[1:])]
+    assert all(abs(b / a - 2) < 1e-3 for a, b in zip(steps, steps[1:])), none  # linear in L: each step twice the last
+    assert nested[-1] / nested[2] < 2, nested  # 4x the layers, under 2x the activations: sqrt(L)
+
 def test_memory_parallel_calculator_by_hand():
     """Ring and tree all-reduce by hand, their crossover, bytes per device = total / degree for what is sharded."""
     a, b = 1e-5, 1e9  # 10 us, 1 GB/s
@@ -1680,8 +1785,9 @@ def test_memory_ffn_compute_against_communication_by_hand():
 def test_memory_bad_input():
     with tempfile.TemporaryDirectory() as d:
         theirs = os.path.join(d, "theirs.pickle")
-        with open(theirs, "w") as f:
-            f.write("not ours")
+        for path in (theirs, os.path.join(d, "s_T256_fp32.pickle")):  # the second: a run's name from --out s.pickle
+            with open(path, "w") as f:
+                f.write("not ours")
         check_bad_inputs("memory.py", [
             ("nonsense", "invalid choice"),
             ("account --model huge", "unknown model"),
@@ -1730,6 +1836,18 @@ def test_memory_bad_input():
             ("parallel --bandwidth-gbs 0", "bandwidth"),
             ("parallel --params -5", "--params"),
             ("snapshot --out a", ".pickle"),
+            ("snapshot --dtypes fp32,fp16", "unknown dtype 'fp16'"),
+            ("snapshot --dtypes fp32,fp32", "names a precision twice"),
+            ("snapshot --dtypes fp32,bf16 --bf16", "leave out --bf16"),
+            ("account --dtypes bf16", "--dtypes is read by snapshot"),
+            (f"account --plot {d}/a.png", "--plot is read by snapshot"),
+            (f"snapshot --plot {d}/notes.txt", plot_refusal()),
+            (f"snapshot --plot {d}/missing/a.png", "does not exist"),
+            ("account --seq 128,256", "a list is read by snapshot and account --sweep"),
+            ("parallel --seq 1,2", "takes one length for parallel"),
+            ("snapshot --seq 128,128", "names a length twice"),
+            ("snapshot --seq 128,0", "--seq: must be at least 1"),
+            (("snapshot", "--seq", "128,256", "--out", os.path.join(d, "s.pickle")), "not a file this script wrote"),
             ("snapshot --phase sideways", "invalid choice"),
             ("snapshot --device cpu", "needs a CUDA GPU"),
             ("account --attn cudnn --device cpu", "needs a CUDA GPU"),
@@ -1744,16 +1862,28 @@ def test_memory_bad_input():
 @gpu
 def test_memory_on_the_gpu():
     """Predicted peak within 10% of max_memory_allocated; snapshots of both phases at T=128 and 2048 (position table
-    grown), summarized; nested checkpointing runs; a batch too big names one that fits."""
+    grown), fp32 and bf16, summarized, each timeline's peak that of the trace's phases; nested checkpointing runs; a
+    batch too big names one that fits."""
+    import pickle
     for fused, dtype in ((fused, dtype) for fused in (True, False) for dtype in (None, torch.bfloat16)):
         cfg = gpt.make_config("gpt2", fused_ce=fused)
         measured = max(memory.measure_step(cfg, 8, 512, dtype, torch.device("cuda", 0)).values())
         assert abs(memory.account(cfg, 8, 512, dtype)["peak"] / measured - 1) <= 0.10, (fused, dtype, measured)
     with tempfile.TemporaryDirectory() as d:
-        for seq in (128, 2048):
-            out, err = main_ok("memory.py", "snapshot", "--seq", seq, "--batch", 2, "--bf16", "--out", f"{d}/s.pickle")
-            assert os.path.getsize(f"{d}/s.pickle") > 0 and "memory_viz" in out and "step: backward" in out, out
-            assert ("position table" in out) == (seq == 2048), out
+        out, err = main_ok("memory.py", "snapshot", "--seq", 128, "--batch", 2, "--bf16", "--out", f"{d}/s.pickle")
+        assert os.path.getsize(f"{d}/s.pickle") > 0 and "memory_viz" in out and "step: backward" in out, out
+        assert "position table" not in out, out
+        plot = ["--plot", f"{d}/s.png"] if importlib.util.find_spec("matplotlib") else []
+        out, err = main_ok("memory.py", "snapshot", "--seq", "128,2048", "--batch", 2, "--dtypes", "fp32,bf16",
+                           "--out", f"{d}/s.pickle", *plot)
+        assert "position table" in out and (not plot or os.path.getsize(plot[1]) > 0), out
+        for T in (128, 2048):
+            for name in ("fp32", "bf16"):
+                with open(f"{d}/s_T{T}_{name}.pickle", "rb") as f:
+                    _, _, levels = memory.active_timeline(pickle.load(f), 0)
+                row = next(line for line in out.splitlines() if line.startswith(f"gpt2 B=2 T={T} {name} "))
+                peaks = [float(cell.replace(",", "")) for cell in row.split()[4:6]]  # inference forward, step
+                assert abs(max(levels) / 2**20 / max(peaks) - 1) < 0.005, (row, max(levels))
     out, _ = main_ok("memory.py", "checkpoint", "--model", "gpt2", "--batch", 2, "--seq", 2048, "--groups", "3",
                      "--rounds", 2, "--bf16")
     assert "checkpoint: best" in out and "nested g=3" in out, out
