@@ -2,15 +2,15 @@
 
 The speed ladder trains GPT-2 124M (B=16, T=1024) with one change per rung, from fp32 with naive attention to
 train.py's headline (our Triton attention, fused biases, cuBLAS without a workspace, the tied weight's gradient
-summed in place, AdamW's own kernel, bf16 weights kept by the optimizer), then levers on the headline (GELU inside
-the MLP's matmuls, FP8 forced onto every block Linear), all rungs in the same rounds of gpt.py's timer (paired
-ratios); --rungs times a few. --nanogpt times nanoGPT's model.py against the headline the same way. The sweep
-splits a step into forward, backward and optimizer by model, batch, context and vocabulary; --warmup-table shows
-what the first steps pay for; --profile groups the step's kernels and sets each group against its limit; --nvtx
-names the phases for Nsight Systems.
+summed in place, AdamW's own kernel, bf16 weights kept by the optimizer), then a lever on the headline (FP8 forced
+onto every block Linear), all rungs in the same rounds of gpt.py's timer (paired ratios); --rungs times a few.
+--nanogpt times nanoGPT's model.py against the headline the same way. The sweep splits a step into forward,
+backward and optimizer by model, batch, context and vocabulary; --warmup-table shows what the first steps pay for;
+--profile groups the step's kernels and sets each group against its limit; --nvtx names the phases for Nsight
+Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
-    python bench_e2e.py --ladder --rungs 14,15,16,17   # the rung before the headline, it, and its two levers
+    python bench_e2e.py --ladder --rungs 14,15,16   # the rung before the headline, it, and its lever
     python bench_e2e.py --nanogpt ../nanoGPT
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --bf16 --mode train --vocab 50257,50304
     python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
@@ -31,17 +31,16 @@ from itertools import product
 import torch
 
 import gpt  # gpt.NVTX: the switch --nvtx sets
-from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, PRESETS, GPTConfig, MasterWeights,
-                 amp_dtype, autocast, check_host_memory, check_output_path, clock, compile_model, configure_optimizer,
-                 elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, int_in,
-                 int_list, is_oom, lazily, make_config, mfu, nvtx_range, on_device, plot_path, plot_to, print_table,
-                 GraphedStep, average_gradients,
-                 resolve_device, run_main, set_cublas_workspace, set_tf32, step_bytes, summarize, synchronize,
-                 time_rounds, train_step, use_fp8)
+from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, PRESETS, GPTConfig, GraphedStep,
+                 MasterWeights, amp_dtype, autocast, average_gradients, check_host_memory, check_output_path, clock,
+                 compile_model, configure_optimizer, elapsed_ms, fail, flash_triton_found, flops_per_token, fmt_mfu,
+                 fp8_supported, free_memory, gib, gpu_peak_flops, int_in, int_list, is_oom, lazily, make_config, mfu,
+                 nvtx_range, on_device, plot_path, plot_to, print_table, resolve_device, run_main,
+                 set_cublas_workspace, set_tf32, step_bytes, summarize, synchronize, time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
 HEADLINE = "+ bf16 weights kept by the optimizer"  # = python train.py --vocab 50304 --bf16 --compile (on a GPU)
-GELU_RUNG, FP8_RUNG = "+ GELU inside the MLP's matmuls", "+ FP8 block Linears (forced)"
+FP8_RUNG = "+ FP8 block Linears (forced)"
 LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ TF32 matmuls", {"tf32": True}),
           ("+ bf16 autocast", {"dtype": torch.bfloat16}),
@@ -59,17 +58,13 @@ LADDER = (("fp32, naive attention, vocab 50257", {}),
           ("+ AdamW's matrices by our kernel", {"adamw_kernel": True}),  # gpt.AdamW: one launch of _adamw each
           (HEADLINE, {"master": True}),  # gpt.MasterWeights: the weights cast once a step, by the optimizer
           # levers past the headline: each is the headline plus its own change, timed against the headline
-          (GELU_RUNG, {"gelu_mm": True, "fused_bias": False}),  # GeluMLP adds the MLP's biases itself
           (FP8_RUNG, {"fp8": True, "master": False}))  # FP8 Linears cast their own weights (as train.py --fp8)
 LEVER_NOTES = {  # printed under the table for each lever that ran
-    GELU_RUNG: "gpt.GeluMLP, c_fc's output read through GELU by the matmuls around it (Triton kernels): GELU's "
-               "output and the gradient before it never written; not in train.py",
     FP8_RUNG: "gpt.use_fp8(model, min_width=0), all four Linears of each block; by default use_fp8 (train.py "
               f"--fp8) converts only those {FP8_MIN_WIDTH}+ wide on both sides (see precision.py --only fp8)"}
 FIRST_RUNG = {"tf32": False, "dtype": None, "attn": "naive", "vocab": 50257, "compile": False, "graphs": False,
-              "fused_ce": False, "fused_norms": False, "fused_bias": False, "master": False, "gelu_mm": False,
-              "fp8": False, "cublas_workspace": True, "embedding_into_dw": False,
-              "adamw_kernel": False}
+              "fused_ce": False, "fused_norms": False, "fused_bias": False, "master": False, "fp8": False,
+              "cublas_workspace": True, "embedding_into_dw": False, "adamw_kernel": False}
 RUNG_NUMBERS = {name: i + 1 for i, (name, _) in enumerate(LADDER)}  # as the table and --rungs number them
 HEADLINE_NUMBER = RUNG_NUMBERS[HEADLINE]
 # All rungs live at once, to run in the same rounds: at B=16 T=1024 each gpt2 keeps 1.5 GB of weights and
@@ -85,6 +80,8 @@ def skip_reason(change, s, device):
         return "skipped on the CPU (compiling)"
     if s["fp8"] and not fp8_supported(device):
         return "skipped: needs FP8 tensor cores (H100/H200)"
+    if s["attn"] == "triton" and not flash_triton_found():  # bench_e2e.py copied with gpt.py alone
+        return "skipped: needs flash_triton.py"
 
 @dataclass
 class Bench:
@@ -119,8 +116,7 @@ class Plan:
 
 def build(config, s, device):
     config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"],
-                     fused_norms=s["fused_norms"], fused_bias=s["fused_bias"], gelu_in_matmul=s["gelu_mm"],
-                     embedding_into_dw=s["embedding_into_dw"])
+                     fused_norms=s["fused_norms"], fused_bias=s["fused_bias"], embedding_into_dw=s["embedding_into_dw"])
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU: a 2.7B model takes minutes on the CPU
         model = GPT(config)
@@ -927,6 +923,10 @@ def check_combinations(args, n_models, cpu):
         fail("--warmup-table times one --model, --batch, --seq and --vocab; drop --ladder, --nanogpt and --profile")
     if args.warmup_table and (args.warmup is not None or args.rounds is not None):
         fail("--warmup-table times 0, 1 and 2 warm-up steps itself, a step at a time; drop --warmup and --rounds")
+    needs_flash = args.attn == "triton" or (args.nanogpt and not cpu)  # on a GPU the headline's attention is ours
+    if needs_flash and not flash_triton_found():  # bench_e2e.py copied with gpt.py alone
+        fail("--attn triton, and --nanogpt on a GPU (train.py's headline), run flash_triton.py's kernels, and there is "
+             "no flash_triton.py next to gpt.py: copy it there")
 
 def settings(args, device):
     """([(name, config)], Plan): the flags with this device's defaults (GPU: the headline sizes; CPU: seconds)."""

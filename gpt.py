@@ -1,11 +1,12 @@
-"""GPT-2 in one file: the model every nanoperf script trains, times or takes apart, then the tools they share.
+"""GPT-2 in one file: the model every nanoperf script trains, times or takes apart, then its levers and tools.
 
-Part 1, the model: GPT-2 (pre-LayerNorm blocks, learned positions, tied embeddings) with its speed-ups built in:
-the output layer fused with the loss over chunks of tokens, so the [tokens, vocab] logits never exist, the tied
-embedding's gradient added into the loss's; each residual add fused with the LayerNorm after it, one Triton kernel
-forward and one backward; FP8 matmuls for wide Linears. Part 2, the shared tools: AdamW with its own kernel for the
-matrices, the bf16 weights it can keep (MasterWeights), one training step, FLOPs and MFU, the tokenizer, the one
-timer, flag types and small helpers.
+Part 1, the model, read as nanoGPT's model.py reads: the config and presets, attention and its toggles, the MLP, the
+block, GPT with its padded vocabulary and generate. Each speed-up is entered by one switch you can see in the model
+code (a GPTConfig field), its kernels further down. Part 2, the levers train.py uses by default, a section each that
+says what it buys and the flag that turns it off: the output layer fused with the loss, each residual add fused with
+the LayerNorm after it, AdamW's kernel for the matrices, bf16 weights kept by the optimizer, cuBLAS without a
+workspace; then FP8, behind --fp8. Part 3, the tools the scripts share: the optimizer and one training step, the step
+as one CUDA graph, FLOPs and MFU, the tokenizer, the one timer, flag types, tables and small helpers.
 
     python gpt.py                  # the presets: parameters and training FLOPs per token
     python gpt.py --model gpt2     # where one preset's parameters are
@@ -13,6 +14,7 @@ timer, flag types and small helpers.
 
 import argparse
 import gc
+import importlib.util
 import math
 import os
 import shutil
@@ -52,7 +54,6 @@ class GPTConfig:
     vocab_size: int = GPT2_VOCAB
     attn: str = "sdpa"  # see ATTENTION; chosen once, when the model is built
     fused_ce: bool = True  # training loss through LinearCrossEntropy (section 4)
-    gelu_in_matmul: bool = False  # the MLP through GeluMLP (section 6)
     recompute: int = 0  # activation checkpointing of every recompute-th block (1: all, 0: none)
     fused_norms: bool = False  # each residual add fused with the LayerNorm after it (section 5; not with recompute)
     fused_bias: bool = False  # the MLP's and c_proj's biases added by those kernels too (section 5; with fused_norms)
@@ -88,12 +89,13 @@ def check_config(config):
         raise ValueError(f"vocab {config.vocab_size} is below the tokenizer's {GPT2_VOCAB} tokens")
     if config.attn not in ATTENTION:
         raise ValueError(f"unknown attention '{config.attn}'; choose from {', '.join(ATTENTION)}")
+    if config.attn == "triton" and not flash_triton_found():  # here, not at the first forward: before any work
+        raise ValueError("--attn triton runs flash_triton.py's kernels, and there is no flash_triton.py next to "
+                         "gpt.py: copy it there, or choose another --attn")
     if not 0 <= config.recompute <= config.n_layer:
         raise ValueError(f"--recompute {config.recompute} must be between 1 and the {config.n_layer} layers")
     if config.fused_bias and not config.fused_norms:
         raise ValueError("fused_bias needs fused_norms: the add + LayerNorm kernels add c_proj's biases")
-    if config.fused_bias and config.gelu_in_matmul:
-        raise ValueError("fused_bias and gelu_in_matmul both take the MLP's biases: choose one")
     return config
 
 
@@ -154,13 +156,26 @@ ATTENTION = {  # --attn NAME
     "triton": triton_attention,
 }
 GPU_ONLY_ATTENTION = ("cudnn", "efficient", "triton")
+SAID = set()  # the notes default_attention has printed: each once a process
+
+
+def flash_triton_found():
+    """Whether flash_triton.py can be imported: the one file gpt.py uses (for --attn triton) that a script copied
+    with gpt.py alone lacks. Looked up, not imported: without a GPU, importing it turns on Triton's interpreter."""
+    return importlib.util.find_spec("flash_triton") is not None
 
 
 def default_attention(device, dtype, head_dim):
     """train.py's --attn default: our Triton kernels on a GPU for bf16/fp16 activations of a head dim they have
     tiles for (gpt2's train step on an H100: 1.021-1.025x as fast as with cuDNN), SDPA's own choice otherwise
-    (fp32 and head dims like 2.7B's 80)."""
+    (fp32, head dims like 2.7B's 80, and a copy without flash_triton.py, which says so once)."""
     if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    if not flash_triton_found():
+        note = "flash_triton.py not found next to gpt.py: attention sdpa"
+        if note not in SAID:
+            SAID.add(note)
+            print(note, flush=True)
         return "sdpa"
     from flash_triton import HEAD_DIMS
     if head_dim not in HEAD_DIMS:
@@ -179,7 +194,8 @@ def matmul_dtype(x):
 
 
 def project(linear, x, bias=True):
-    """linear(x); bias=False: its matmul only, the bias left to a fused kernel (section 5). FP8 Linears keep FP8."""
+    """linear(x); bias=False: its matmul only, the bias left to a fused kernel (section 5). FP8 Linears (section 9)
+    keep FP8."""
     if bias:
         return linear(x)
     if isinstance(linear, Fp8Linear):
@@ -216,15 +232,12 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.gelu_in_matmul = config.gelu_in_matmul
         self.c_fc = nn.Linear(config.n_embd, config.d_ff)
         self.c_proj = nn.Linear(config.d_ff, config.n_embd)
 
     def forward(self, x, fused_bias=False):
         """fused_bias: c_fc's bias added by the GELU kernel, c_proj's left to the caller's add + LayerNorm (section
         5): each bias gradient summed by the kernel that writes the gradient it sums, not by a pass of its own."""
-        if self.gelu_in_matmul:  # the same function, GELU applied inside the matmuls around it (section 6)
-            return GeluMLP.apply(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias)
         if fused_bias:
             h = project(self.c_fc, x, bias=False)  # (..., d_ff): c_fc's matmul only
             return project(self.c_proj, bias_gelu(h, self.c_fc.bias), bias=False)
@@ -348,8 +361,16 @@ class GPT(nn.Module):
         return idx
 
 
-# --- 4. the output layer and the loss, fused over chunks of rows: the [N, V] logits (1.6 GB in bf16 at N=16,384)
-# never exist. A kernel turns each chunk's logits into their gradient, at once multiplied into dx and dW, in forward.
+# ====================================================================================================================
+# Part 2: the levers train.py uses by default, each with what it buys and the flag that turns it off, then FP8 behind
+# its flag. (Its default attention, flash_triton.py's kernels, is section 2's default_attention: --attn sdpa.)
+# ====================================================================================================================
+
+# --- 4. the output layer fused with the loss: the [N, V] logits (1.6 GB in bf16 at N=16,384) never exist. Off:
+# train.py --no-fused-ce (GPTConfig.fused_ce). Over chunks of rows, a kernel turns each chunk's logits into their
+# gradient, at once multiplied into dx and dW, in forward. With it, the tied embedding's gradient is added into the
+# loss's dW (TiedEmbedding: two passes over 154 MB in fp32 fewer at gpt2's size; GPTConfig.embedding_into_dw, which
+# no train.py flag turns off: bench_e2e.py's ladder times it).
 
 @triton.jit
 def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, n_valid, n_cols, BLOCK: tl.constexpr):
@@ -451,19 +472,20 @@ def linear_cross_entropy(x, weight, targets, chunk_rows=None):
     return LinearCrossEntropy.apply(x, weight, targets, chunk_rows or CE_CHUNK_ROWS)
 
 
-# --- 5. the residual add fused with the LayerNorm after it. A pre-LN block ends with x = x + branch and the next
-# branch starts with LN(x): forward, one kernel reads x (fp32) and the branch's output y (bf16) once and writes the
-# new x and LN(x) already in the matmuls' dtype; backward, one kernel reads r = x + y, LN's output gradient and the
-# gradient coming down the residual stream once, and writes the stream's gradient, the branch's gradient in its own
-# dtype and each program's partial sums for the LayerNorm's weight and bias. Per element of gpt2's 16,384 x 768
-# activations: forward 6 bytes read, 6 written; backward 10 read, 6 written. On an H100 the train step is about 3%
-# faster (1.026x and 1.033x, paired against the same model without it); alone, the forward takes 1.09x the time of
-# Inductor's own fused add + LayerNorm, so the gain is in the backward and the kernels around it.
-# GPT.fused_norm_blocks runs the blocks this way. With GPTConfig.fused_bias the same kernels also add c_proj's bias
-# to the branch (forward) and sum its gradient from the branch gradient they write (backward), and c_fc's bias goes
-# into GELU (bias_gelu below): a Linear's bias gradient is the column sum of its output's gradient, which otherwise
-# costs a pass of its own over that gradient (by the profile, 0.42 ms a step for gpt2's c_fc, 0.25 for both c_proj;
-# c_attn's stays in its matmul). The step: 1.008x and 1.013x as fast again, paired against the same without them.
+# --- 5. each residual add fused with the LayerNorm after it: on an H100 the train step about 3% faster (1.026x and
+# 1.033x, paired against the same model without it); off: train.py --no-fused-norms (GPTConfig.fused_norms). The
+# biases added by the same kernels: 1.008x and 1.013x as fast again; off: --no-fused-bias (GPTConfig.fused_bias).
+# A pre-LN block ends with x = x + branch and the next branch starts with LN(x): forward, one kernel reads x (fp32)
+# and the branch's output y (bf16) once and writes the new x and LN(x) already in the matmuls' dtype; backward, one
+# kernel reads r = x + y, LN's output gradient and the gradient coming down the residual stream once, and writes the
+# stream's gradient, the branch's gradient in its own dtype and each program's partial sums for the LayerNorm's
+# weight and bias. Per element of gpt2's 16,384 x 768 activations: forward 6 bytes read, 6 written; backward 10 read,
+# 6 written. Alone, the forward takes 1.09x the time of Inductor's own fused add + LayerNorm, so the gain is in the
+# backward and the kernels around it. GPT.fused_norm_blocks runs the blocks this way. With GPTConfig.fused_bias the
+# same kernels also add c_proj's bias to the branch (forward) and sum its gradient from the branch gradient they
+# write (backward), and c_fc's bias goes into GELU (bias_gelu below): a Linear's bias gradient is the column sum of
+# its output's gradient, which otherwise costs a pass of its own over that gradient (by the profile, 0.42 ms a step
+# for gpt2's c_fc, 0.25 for both c_proj; c_attn's stays in its matmul).
 
 # (rows per program, warps), searched alone at 16,384 x 768 on an H100 over 4-64 rows and 1-8 warps: forward
 # 59 us (16 rows and 4 warps: 61; its 12 bytes an element take 50 us at 3.0 TB/s); backward 80 us (16 rows and
@@ -589,7 +611,7 @@ def add_layer_norm(x, y, norm, out_dtype, y_bias=None):
 # column sums of dh, the bias gradient, instead of a second read of dh (100 MB a layer in gpt2's step) for it.
 BIAS_GELU_TILE = (32, 1024, 4)  # (rows, columns, warps) a program, as first written: not searched
 
-# GPT-2's GELU and its derivative in Triton, for this kernel and section 6's matmuls
+# GPT-2's GELU's derivative in Triton, for this kernel's backward
 GELU_K = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi): GPT-2's tanh GELU is x * sigmoid(2u)
 
 
@@ -597,11 +619,6 @@ GELU_K = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi): GPT-2's tanh GELU
 def _sigmoid_2u(x):  # sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): GELU is 0.5 x (1 + tanh(u)) = x sigmoid(2u)
     two_u = (x + 0.044715 * x * x * x) * GELU_K  # (a constexpr on the left of a tensor breaks the interpreter)
     return 1.0 / (1.0 + tl.exp(-two_u))
-
-
-@triton.jit
-def _gelu(x):
-    return x * _sigmoid_2u(x)
 
 
 @triton.jit
@@ -655,197 +672,9 @@ def bias_gelu(h0, b):
     return F.gelu(h0 + b.to(h0.dtype), approximate="tanh")
 
 
-# --- 6. the MLP with GELU inside its matmuls: GELU's input h (N x 4d) is written once, by c_fc, and read by the
-# matmuls around it, which apply GELU (or its derivative) to their tiles in registers; GELU's output and the gradient
-# of h before GELU never exist. Unfused (Inductor), a step writes and reads them: about 0.6 GB a layer in gpt2.
-# Measured on an H100 it loses (the train step 0.67x as fast): a tile's GELU is recomputed for every column tile
-# of the output, on the CUDA cores, inside the loop the tensor cores wait on. Kept as the counter-example.
-
-@triton.jit
-def _matmul(A, B, C, H, bias, M, N, K, sam, sak, sbk, sbn, scm, scn, shm, shn,
-            GELU_A: tl.constexpr, GELU_B: tl.constexpr, GELU_GRAD: tl.constexpr, BIAS: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # C (M, N) = A (M, K) @ B (K, N), any strides, fp32 accumulation; GELU applied to A's or B's tiles as they are
-    # loaded, C multiplied by GELU'(H) and/or bias added as it is stored.
-    pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    group, in_group = pid // (GROUP_M * tiles_n), pid % (GROUP_M * tiles_n)  # GROUP_M row tiles share B's tiles
-    group_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - group * GROUP_M, GROUP_M)
-    rows = (group * GROUP_M + in_group % group_rows) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (in_group // group_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        ks = k + tl.arange(0, BLOCK_K)
-        a = tl.load(A + rows[:, None] * sam + ks[None, :] * sak, mask=(rows[:, None] < M) & (ks[None, :] < K),
-                    other=0.0)
-        b = tl.load(B + ks[:, None] * sbk + cols[None, :] * sbn, mask=(ks[:, None] < K) & (cols[None, :] < N),
-                    other=0.0)
-        if GELU_A:  # GELU(0) = 0: the masked zeros stay zeros
-            a = _gelu(a.to(tl.float32)).to(B.dtype.element_ty)
-        if GELU_B:
-            b = _gelu(b.to(tl.float32)).to(A.dtype.element_ty)
-        acc = tl.dot(a, b, acc)
-    inside = (rows[:, None] < M) & (cols[None, :] < N)
-    if BIAS:
-        acc += tl.load(bias + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if GELU_GRAD:
-        h = tl.load(H + rows[:, None] * shm + cols[None, :] * shn, mask=inside, other=0.0)
-        acc *= _gelu_grad(h.to(tl.float32))
-    tl.store(C + rows[:, None] * scm + cols[None, :] * scn, acc.to(C.dtype.element_ty), mask=inside)
-
-
-def gelu_matmul(a, b, bias=None, gelu_a=False, gelu_b=False, grad_of=None):
-    """a @ b, with GELU applied to a or to b first, bias added, or the product multiplied by GELU'(grad_of) (a
-    tensor shaped like the product). The kernel on a GPU; on a CPU the same in PyTorch."""
-    if a.is_cuda:
-        M, K = a.shape
-        N = b.shape[1]
-        c = a.new_empty(M, N)
-        # a stands in for an H or a bias the kernel does not read: the output it writes is never passed twice
-        h = a if grad_of is None else grad_of
-        blocks = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
-        grid = (triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(N, blocks["BLOCK_N"]),)
-        _matmul[grid](a, b, c, h, a if bias is None else bias, M, N, K, *a.stride(), *b.stride(), *c.stride(),
-                      *h.stride(), GELU_A=gelu_a, GELU_B=gelu_b, GELU_GRAD=grad_of is not None,
-                      BIAS=bias is not None, **blocks, num_warps=8, num_stages=3)
-        return c
-    if gelu_a:
-        a = F.gelu(a.float(), approximate="tanh").to(a.dtype)
-    if gelu_b:
-        b = F.gelu(b.float(), approximate="tanh").to(b.dtype)
-    c = (a.float() @ b.float())
-    if bias is not None:
-        c = c + bias.float()
-    if grad_of is not None:  # GELU'(h), as _gelu_grad writes it
-        x = grad_of.float()
-        s = torch.sigmoid((x + 0.044715 * x**3) * GELU_K.value)
-        c = c * (s + x * s * (1 - s) * GELU_K.value * (1 + 3 * 0.044715 * x**2))
-    return c.to(a.dtype)
-
-
-class GeluMLP(torch.autograd.Function):
-    """c_proj(gelu(c_fc(x))) forward and backward, with GELU inside the matmuls (gelu_matmul): forward, c_fc's
-    matmul writes h and c_proj's reads it through GELU; backward, c_proj's weight gradient reads h through GELU, and
-    the matmul making the gradient of GELU's output multiplies it by GELU'(h) before storing it. It saves x and h,
-    as the unfused MLP does once Inductor recomputes GELU's output."""
-
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2):
-        dtype = matmul_dtype(x)  # the matmuls in the autocast dtype, as nn.Linear's would be
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1]).to(dtype)  # (N, d)
-            w1c, w2c = w1.to(dtype), w2.to(dtype)  # (f, d), (d, f)
-            h = torch.addmm(b1.to(dtype), x2, w1c.t())  # (N, f): c_fc
-            y = gelu_matmul(h, w2c.t(), bias=b2.to(dtype), gelu_a=True)  # (N, d): c_proj(gelu(h))
-        ctx.save_for_backward(x2, w1c, h, w2c)
-        return y.view(*x.shape[:-1], w2.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, w1c, h, w2c = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1]).to(h.dtype)  # (N, d)
-        dw2 = gelu_matmul(dy2.t(), h, gelu_b=True)  # (d, f) = dy^T gelu(h)
-        dh = gelu_matmul(dy2, w2c, grad_of=h)  # (N, f) = (dy W2) * gelu'(h)
-        dx = dh @ w1c  # (N, d)
-        dw1 = dh.t() @ x2  # (f, d)
-        db1, db2 = dh.float().sum(0), dy2.float().sum(0)
-        return dx.view(*dy.shape[:-1], x2.shape[1]), dw1, db1, dw2, db2
-
-
-# --- 7. FP8 matmuls (H100/H200), twice the bf16 rate: e4m3 activations and weights, e5m2 gradients, amax scales
-
-E4M3 = torch.float8_e4m3fn  # 3 mantissa bits, max 448: activations and weights
-E5M2 = torch.float8_e5m2  # 2 mantissa bits, max 57344: gradients, whose range is wider
-
-
-def to_fp8(t, dtype):
-    """(t scaled so its largest magnitude lands at dtype's max and cast, the inverse scale to undo it)."""
-    amax = t.detach().abs().amax().float().clamp(min=1e-12)
-    fp8_max = torch.finfo(dtype).max
-    scale = fp8_max / amax
-    scaled = (t.float() * scale).clamp(-fp8_max, fp8_max)
-    return scaled.to(dtype), scale.reciprocal()
-
-
-def fp8_mm(a8, a_inv, b8, b_inv):
-    """a (M, K) row-major times b (K, N) column-major (what the FP8 tensor cores take), bf16 out."""
-    return torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
-
-
-class Fp8Matmul(torch.autograd.Function):
-    """y = x W^T with all three matmuls of a Linear (forward, dX, dW) in FP8."""
-    @staticmethod
-    def forward(ctx, x, weight):
-        x8, x_inv = to_fp8(x, E4M3)
-        w8, w_inv = to_fp8(weight, E4M3)
-        ctx.save_for_backward(x8, x_inv, w8, w_inv)
-        return fp8_mm(x8, x_inv, w8.t(), w_inv)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x8, x_inv, w8, w_inv = ctx.saved_tensors
-        dy8, dy_inv = to_fp8(dy, E5M2)
-        dx = fp8_mm(dy8, dy_inv, w8.t().contiguous().t(), w_inv)  # the second operand column-major
-        dw = fp8_mm(dy8.t().contiguous(), dy_inv, x8.t().contiguous().t(), x_inv)
-        return dx, dw.float()
-
-
-class Fp8Linear(nn.Linear):
-    """nn.Linear whose matmuls run in FP8; weight and bias stay fp32 (the optimizer's copy)."""
-    def matmul(self, x):  # x W^T without the bias
-        y = Fp8Matmul.apply(x.flatten(0, -2), self.weight)  # (tokens, out): the batch dims flattened
-        return y.unflatten(0, x.shape[:-1])  # back to (..., out)
-
-    def forward(self, x):
-        y = self.matmul(x)
-        if self.bias is None:
-            return y
-        return y + self.bias.to(y.dtype)
-
-
-# FP8 for a block's Linears both ways >= FP8_MIN_WIDTH: narrower ones don't repay the scaling; lm_head: fused loss
-FP8_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-FP8_MIN_WIDTH = 2048
-
-
-def fp8_supported(device):
-    """FP8 tensor cores: compute capability 8.9 (Ada) and up, H100 and H200 included."""
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def use_fp8(model, min_width=FP8_MIN_WIDTH):
-    """Turns the FP8_LAYERS at least min_width wide both ways into Fp8Linear: [(name, in, out, converted)]."""
-    plan = []
-    for name, m in model.named_modules():
-        if type(m) is nn.Linear and name.endswith(FP8_LAYERS):
-            chosen = min(m.in_features, m.out_features) >= min_width
-            if chosen:
-                m.__class__ = Fp8Linear
-            plan.append((name, m.in_features, m.out_features, chosen))
-    return plan
-
-
-# ====================================================================================================================
-# Part 2: the shared tools: optimizer, compilation, FSDP2, a training step, FLOPs and MFU, tokenizer, timer, helpers
-# ====================================================================================================================
-
-# --- 8. optimizer, compilation, sharding and one training step
-
-def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
-    """The model's AdamW (adamw below), over every parameter that trains."""
-    return adamw([p for p in model.parameters() if p.requires_grad], lr, weight_decay, betas, matrix_kernel)
-
-
-def adamw(params, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
-    """AdamW with weight decay on matrices and embeddings, not on biases or LayerNorm gains; fused on a GPU (a few
-    kernels for all the parameters instead of a dozen per parameter), the matrices through _adamw below unless
-    matrix_kernel is False (torch's fused AdamW for all)."""
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = AdamW if matrix_kernel else torch.optim.AdamW
-    return optimizer(groups, lr=lr, betas=betas, fused=all(p.is_cuda for p in params))
-
+# --- 6. AdamW's kernel for the matrices: gpt2's optimizer step on an H100 1.27 ms, against 1.53 with torch's fused
+# AdamW for every parameter (its multi-tensor launches reach 2.3 TB/s, these 2.7). No train.py flag turns it off:
+# configure_optimizer(..., matrix_kernel=False) does (bench_e2e.py's ladder times both).
 
 @triton.jit
 def _adamw(param_ptr, grad_ptr, m_ptr, v_ptr, low_ptr, scale_ptr, step_ptr, n, lr, weight_decay, beta1, beta2, eps,
@@ -957,6 +786,10 @@ class AdamW(torch.optim.AdamW):
         return loss
 
 
+# --- 7. bf16 weights kept by the optimizer, cast once a step: on an H100 (gpt2, B=16, CUDA graphs) a step 0.66 ms
+# shorter than with autocast's casts. Off: train.py --no-master-weights (on by default with --bf16 in one process,
+# without --grad-accum or --fp8).
+
 class MasterWeights:
     """Weights cast once, where they change: an optimizer (step, zero_grad, param_groups) for a model whose
     blocks' matmul weights are bf16, with their fp32 masters and AdamW's moments kept here.
@@ -1048,17 +881,12 @@ class MasterWeights:
         set_optimizer_state_dict(model, self.optimizer, {"state": state, "param_groups": groups}, options=options)
 
 
-def compile_model(model, cuda_graphs=False):
-    """torch.compile; CUDA graphs only on one GPU without gradient accumulation (a replay overwrites the grads).
-    PDL lets a kernel's prologue start while the one before it finishes."""
-    return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
-
-
-# cuBLAS's workspace. With one (PyTorch's default), cuBLAS's Hopper matmul kernels hand out their output tiles from a
-# counter kept in it, and cuBLAS zeroes that counter with a memset before every such matmul: gpt2's step has 102 of
-# them, and in a CUDA-graphed step each memset and the gaps on either side of it cost about 4 us (0.4 ms a step on
-# an H100). Without a workspace cuBLAS picks the same kernels with their tiles scheduled statically: no memsets,
-# no slower matmuls at gpt2's shapes (bench_e2e.py's ladder). PyTorch reads these two variables at every cuBLAS call
+# --- 8. cuBLAS without a workspace: no memset before each matmul, about 0.4 ms a CUDA-graphed step of gpt2 on an
+# H100. Off: train.py --cublas-workspace (PyTorch's default). With a workspace, cuBLAS's Hopper matmul kernels hand
+# out their output tiles from a counter kept in it, and cuBLAS zeroes that counter with a memset before every such
+# matmul: gpt2's step has 102 of them, and in a CUDA-graphed step each memset and the gaps on either side of it cost
+# about 4 us. Without a workspace cuBLAS picks the same kernels with their tiles scheduled statically: no memsets, no
+# slower matmuls at gpt2's shapes (bench_e2e.py's ladder). PyTorch reads these two variables at every cuBLAS call
 # (torch 2.11), so a process can switch between variants; a CUDA graph keeps the kernels it captured.
 CUBLAS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
 CUBLAS_ENV_AT_START = {name: os.environ.get(name) for name in CUBLAS_ENV}  # what enabled=True restores
@@ -1081,6 +909,109 @@ def set_cublas_workspace(enabled):
         # of a workspace larger than the buffer (a failed matmul). CUDA graphs capture their own (cudagraph trees
         # clear these the same way around each capture).
         torch._C._cuda_clearCublasWorkspaces()
+
+
+# --- 9. FP8 matmuls (H100/H200), twice the bf16 rate: e4m3 activations and weights, e5m2 gradients, amax scales.
+# Not on by default: train.py --fp8 turns it on, in the block Linears FP8_MIN_WIDTH wide and up (precision.py times
+# it against bf16).
+
+E4M3 = torch.float8_e4m3fn  # 3 mantissa bits, max 448: activations and weights
+E5M2 = torch.float8_e5m2  # 2 mantissa bits, max 57344: gradients, whose range is wider
+
+
+def to_fp8(t, dtype):
+    """(t scaled so its largest magnitude lands at dtype's max and cast, the inverse scale to undo it)."""
+    amax = t.detach().abs().amax().float().clamp(min=1e-12)
+    fp8_max = torch.finfo(dtype).max
+    scale = fp8_max / amax
+    scaled = (t.float() * scale).clamp(-fp8_max, fp8_max)
+    return scaled.to(dtype), scale.reciprocal()
+
+
+def fp8_mm(a8, a_inv, b8, b_inv):
+    """a (M, K) row-major times b (K, N) column-major (what the FP8 tensor cores take), bf16 out."""
+    return torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
+
+
+class Fp8Matmul(torch.autograd.Function):
+    """y = x W^T with all three matmuls of a Linear (forward, dX, dW) in FP8."""
+    @staticmethod
+    def forward(ctx, x, weight):
+        x8, x_inv = to_fp8(x, E4M3)
+        w8, w_inv = to_fp8(weight, E4M3)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        return fp8_mm(x8, x_inv, w8.t(), w_inv)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        dy8, dy_inv = to_fp8(dy, E5M2)
+        dx = fp8_mm(dy8, dy_inv, w8.t().contiguous().t(), w_inv)  # the second operand column-major
+        dw = fp8_mm(dy8.t().contiguous(), dy_inv, x8.t().contiguous().t(), x_inv)
+        return dx, dw.float()
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear whose matmuls run in FP8; weight and bias stay fp32 (the optimizer's copy)."""
+    def matmul(self, x):  # x W^T without the bias
+        y = Fp8Matmul.apply(x.flatten(0, -2), self.weight)  # (tokens, out): the batch dims flattened
+        return y.unflatten(0, x.shape[:-1])  # back to (..., out)
+
+    def forward(self, x):
+        y = self.matmul(x)
+        if self.bias is None:
+            return y
+        return y + self.bias.to(y.dtype)
+
+
+# FP8 for a block's Linears both ways >= FP8_MIN_WIDTH: narrower ones don't repay the scaling; lm_head: fused loss
+FP8_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+FP8_MIN_WIDTH = 2048
+
+
+def fp8_supported(device):
+    """FP8 tensor cores: compute capability 8.9 (Ada) and up, H100 and H200 included."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def use_fp8(model, min_width=FP8_MIN_WIDTH):
+    """Turns the FP8_LAYERS at least min_width wide both ways into Fp8Linear: [(name, in, out, converted)]."""
+    plan = []
+    for name, m in model.named_modules():
+        if type(m) is nn.Linear and name.endswith(FP8_LAYERS):
+            chosen = min(m.in_features, m.out_features) >= min_width
+            if chosen:
+                m.__class__ = Fp8Linear
+            plan.append((name, m.in_features, m.out_features, chosen))
+    return plan
+
+
+# ====================================================================================================================
+# Part 3: the shared tools: optimizer, training step, CUDA graph, FSDP2, FLOPs and MFU, tokenizer, timer, helpers
+# ====================================================================================================================
+
+# --- 10. the optimizer, compilation, sharding and one training step
+
+def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
+    """The model's AdamW (adamw below), over every parameter that trains."""
+    return adamw([p for p in model.parameters() if p.requires_grad], lr, weight_decay, betas, matrix_kernel)
+
+
+def adamw(params, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
+    """AdamW with weight decay on matrices and embeddings, not on biases or LayerNorm gains; fused on a GPU (a few
+    kernels for all the parameters instead of a dozen per parameter), the matrices through _adamw below unless
+    matrix_kernel is False (torch's fused AdamW for all)."""
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = AdamW if matrix_kernel else torch.optim.AdamW
+    return optimizer(groups, lr=lr, betas=betas, fused=all(p.is_cuda for p in params))
+
+
+def compile_model(model, cuda_graphs=False):
+    """torch.compile; CUDA graphs only on one GPU without gradient accumulation (a replay overwrites the grads).
+    PDL lets a kernel's prologue start while the one before it finishes."""
+    return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
 
 
 def fully_shard_gpt(model, param_dtype=None):
@@ -1183,6 +1114,8 @@ def average_gradients(params, world):
     torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
+# --- 11. the step as one CUDA graph, on a GPU with --compile (train.py --no-cuda-graph launches it from Python)
+
 class GraphedStep:
     """train_step captured once in a CUDA graph and replayed every step: all its micro-batches' forwards and
     backwards, the all-reduce, the clip and AdamW are queued by one call, graph.replay(), where otherwise the host
@@ -1254,7 +1187,7 @@ def step_state(model, optimizer):
     return tensors
 
 
-# --- 9. FLOPs and MFU
+# --- 12. FLOPs and MFU
 
 def flops_per_token(config, seq_len):
     """Training FLOPs per token: 6 per matmul parameter (2 forward, 4 backward) plus attention's QK^T and PV,
@@ -1316,7 +1249,7 @@ def step_bytes(config, B, T, bf16):
     return 16 * params + activations + logit_rows * config.vocab_size * 4
 
 
-# --- 10. tokenizer and data
+# --- 13. tokenizer and data
 
 R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 BPE_DIR = os.path.join(HERE, "gpt2_bpe")
@@ -1350,7 +1283,7 @@ def load_tokens(path=INPUT_TXT):
     return torch.tensor(gpt2_tokenizer().encode_ordinary(text), dtype=torch.long)
 
 
-# --- 11. the one timer: variants in rounds (A B C, B C A, ...) as a shared GPU's speed drifts; ratios paired per round
+# --- 14. the one timer: variants in rounds (A B C, B C A, ...) as a shared GPU's speed drifts; ratios paired per round
 
 def clock(device):
     """A time stamp. On a GPU, an event queued behind the work already queued: it fires when the GPU gets there,
@@ -1484,7 +1417,7 @@ def compare(variants, device, baseline=None, rounds=20, steps=3, warmup=2, progr
     times, peaks = time_rounds(variants, device, rounds, steps, warmup, progress=progress)
     return summarize(times, baseline, peaks)
 
-# --- 12. small helpers: flags, device, precision, memory, errors, paths, tables
+# --- 15. small helpers: flags, device, precision, memory, errors, paths, tables
 
 # Flags: argparse `type=` helpers, the one way every script validates a number. A bad value is argparse's own error:
 # one sentence naming the flag as the last line, exit status 2, no traceback.

@@ -13,7 +13,7 @@ Contents, in the README's script order:
   6. memory.py: the analytic model against live tensors, snapshot, checkpointing, the parallelism calculator
   7. ddp.py: all-reduce table, every wrapper, ZeRO and FSDP equal one process, bad input
   8. flash_triton.py: both autograd Functions against float64, plans, the grid, bad input
-  9. the repository: code style
+  9. the repository: each script copied with gpt.py alone runs; code style
   the runner: main()
 """
 
@@ -79,10 +79,11 @@ def skip(reason):
 def env(**extra):  # unbuffered: a child's lines arrive as it prints them
     return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
 
-def run(*args, timeout=600, **extra_env):  # `python args...` in a fresh process (torchrun, TRITON_INTERPRET): exit 0
-    p = subprocess.run([sys.executable, *map(str, args)], cwd=HERE, env=env(**extra_env), capture_output=True,
+def run(*args, timeout=600, cwd=HERE, code=0, **extra_env):
+    """`python args...` in a fresh process (torchrun, TRITON_INTERPRET), started in cwd: it must exit `code`."""
+    p = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env(**extra_env), capture_output=True,
                        text=True, timeout=timeout)
-    assert p.returncode == 0, \
+    assert p.returncode == code, \
         f"{' '.join(map(str, args))} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p
 
@@ -250,7 +251,7 @@ for low in (False, True):
         gpt.adamw_step(param, grad, m, v, step, *settings, scale, copy if low else None)
         param, m, v, copy = kernel_side
         gpt._adamw[(2,)](param, grad, m, v, copy, param if scale is None else scale, step, n, *settings,
-                         SCALED=scale is not None, LOW=low, BLOCK=4096)
+                         SCALED=scale is not None, LOW=low, LR_ON_GPU=False, BLOCK=4096)
     for a, b in zip(torch_side[:3], kernel_side[:3]):  # parameter, m, v: fp32 rounding apart at most
         assert (a - b).abs().max() <= 1e-6 * a.abs().max(), (low, (a - b).abs().max())
     if low:  # the interpreter truncates bf16 casts, the GPU rounds: the copy within one bf16 step of its master
@@ -307,10 +308,6 @@ def test_adamw_matches_torch_fused_and_shares_its_checkpoints():
     steps([None, 2.0])
     assert optimizers[0].state[params[0][0]]["step"].item() == 7
 
-def gelu_in_matmul(model, on):  # a switch for matches_plain: GeluMLP in every block
-    for block in model.h:
-        block.mlp.gelu_in_matmul = on
-
 def fused_norms(model, on):  # a switch for matches_plain: each residual add fused with the LayerNorm after it
     model.config.fused_norms = on
 
@@ -335,33 +332,6 @@ def matches_plain(switch, device, dtype, tol):
         results[fused] = [loss.detach(), *(p.grad.clone() for p in model.parameters())]
     errs = [rel_err(a.double(), b.double()) for a, b in zip(results[True], results[False])]
     assert max(errs) < tol, errs
-
-def test_gelu_mlp_matches_plain_and_kernel_matches_torch():
-    """GeluMLP (GELU inside the MLP's matmuls) trains the model the plain MLP trains (CPU, fp32); its matmul kernel
-    (CUDA's path; here interpreted) = its PyTorch path for each of GELU on A, GELU on B, GELU'(H) and the bias."""
-    matches_plain(gelu_in_matmul, "cpu", None, 1e-5)
-    assert "kernel ok" in run("-c", r"""
-import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
-gen = torch.Generator().manual_seed(0)
-M, K, N = 70, 96, 50  # ragged against the 128 x 128 x 64 tiles
-a, b, h, bias = torch.randn(M, K, generator=gen), torch.randn(K, N, generator=gen), torch.randn(M, N, generator=gen), \
-    torch.randn(N, generator=gen)
-for kw in (dict(gelu_a=True, bias=bias), dict(gelu_b=True), dict(grad_of=h), {}):
-    ref = gpt.gelu_matmul(a, b, **kw)
-    c = torch.empty(M, N)
-    hh = kw.get("grad_of", c)
-    bb = kw.get("bias", c)
-    gpt._matmul[(1,)](a, b, c, hh, bb, M, N, K, *a.stride(), *b.stride(), *c.stride(), *hh.stride(),
-                      GELU_A=kw.get("gelu_a", False), GELU_B=kw.get("gelu_b", False), GELU_GRAD="grad_of" in kw,
-                      BIAS="bias" in kw, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8)
-    assert (c - ref).abs().max() <= 1e-4 * ref.abs().max(), (kw.keys(), (c - ref).abs().max())
-at = torch.randn(K, M, generator=gen).t()  # a transposed view: strides, not copies
-assert (gpt.gelu_matmul(at, b, gelu_a=True) - gpt.gelu_matmul(at.contiguous(), b, gelu_a=True)).abs().max() == 0
-print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
-
-@gpu
-def test_gelu_mlp_gpu_matches_plain_bf16():
-    matches_plain(gelu_in_matmul, "cuda", torch.bfloat16, 3e-2)
 
 def test_fused_norms_match_plain_and_kernels_match_torch():
     """The fused norms' loop (GPT.fused_norm_blocks) runs the model Block.forward runs (CPU, fp32: the same ops, so
@@ -400,7 +370,6 @@ def test_fused_bias_matches_plain_and_kernel_matches_torch():
     the flag asks for what it needs."""
     matches_plain(fused_bias, "cpu", None, 1e-6)
     assert_raises("fused_bias needs fused_norms", gpt.make_config, "tiny", fused_bias=True)
-    assert_raises("choose one", gpt.make_config, "tiny", fused_norms=True, fused_bias=True, gelu_in_matmul=True)
     assert "kernel ok" in run("-c", r"""
 import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
 gen = torch.Generator().manual_seed(0)
@@ -1259,7 +1228,7 @@ def test_bench_e2e_bad_input():
         (["--ladder", "--plot", j(d, "missing", "p.png")], "does not exist"),
         ("--ladder --bf16", "sets precision"),
         ("--ladder --warmup 0", "--warmup 1 or more"),
-        ("--rungs 3", "add --ladder"), (f"--ladder --rungs {head + 1},{head + 2}", f"add {head}"),
+        ("--rungs 3", "add --ladder"), (f"--ladder --rungs {head + 1}", f"add {head}"),
         (f"--ladder --rungs {len(bench_e2e.LADDER) + 1}", f"at most {len(bench_e2e.LADDER)}"),
         ("--ladder --rungs 0", "at least 1"),
         ("--warmup-table --warmup 1", "drop --warmup and --rounds"),
@@ -1375,11 +1344,10 @@ def lever_curves(device, levers, steps=200, seeds=(0, 1, 2), B=4, T=64):
 def test_bench_e2e_gpu_levers_train_as_the_headline():
     """The four rungs before the headline (each one lever fewer than the next: autocast's casts instead of bf16
     weights kept by the optimizer, torch's fused AdamW, the embedding's gradient summed apart, cuBLAS with its
-    workspace) and the GELU lever past it (not FP8, which changes the arithmetic) are the same model and math:
-    over 200 steps and three data seeds its loss curve stays within bf16 noise of the headline's (mean difference
-    under 1% of the loss, the last 20 steps' mean within 1%), and the loss falls."""
-    before = [name for name, _ in bench_e2e.LADDER[bench_e2e.HEADLINE_NUMBER - 5:bench_e2e.HEADLINE_NUMBER - 1]]
-    levers = [*before, bench_e2e.GELU_RUNG]
+    workspace) are the same model and math as the headline (not the FP8 lever past it, which changes the
+    arithmetic): over 200 steps and three data seeds each one's loss curve stays within bf16 noise of the
+    headline's (mean difference under 1% of the loss, the last 20 steps' mean within 1%), and the loss falls."""
+    levers = [name for name, _ in bench_e2e.LADDER[bench_e2e.HEADLINE_NUMBER - 5:bench_e2e.HEADLINE_NUMBER - 1]]
     curves = lever_curves("cuda", levers)
     for name in levers:
         for seed, (ours, head) in enumerate(zip(curves[name], curves[bench_e2e.HEADLINE])):
@@ -2331,7 +2299,85 @@ def test_flash_train_matches_sdpa():
     assert ref and len(ours) == len(ref) and all(abs(a - b) < 0.05 * abs(b) + 0.02 for a, b in zip(ours, ref)), \
         (ours, ref)
 
-# --- 9. the repository: code style (ruff checks the rest in CI)
+# --- 9. the repository: each script copied with gpt.py alone runs; code style (ruff checks the rest in CI)
+
+DATA = ("input.txt", "gpt2_bpe")  # the training text and the tokenizer's files, for the scripts that read them
+COPIES = {  # script: (what it needs beside gpt.py, its smallest CPU command here)
+    "bench_e2e.py": ((), "--device cpu --batch 1 --seq 16 --mode forward --rounds 1"),
+    "bench_attention.py": ((), "--impl naive,triton --d 16 --seq 32 --rounds 2 --steps 1 --dtype fp32"),
+    "precision.py": (DATA, "--device cpu --only formats,accumulate"),
+    "ddp.py": ((), "allreduce --backend gloo --worlds 2 --sizes 0.001 --warmup 1 --iters 3"),
+    "memory.py": ((), "parallel"),
+}
+
+
+def copied(names):  # a new empty folder holding copies of these files and folders of the repository
+    folder = tempfile.mkdtemp()
+    for name in names:
+        if os.path.isdir(os.path.join(HERE, name)):
+            shutil.copytree(os.path.join(HERE, name), os.path.join(folder, name))
+        else:
+            shutil.copy(os.path.join(HERE, name), folder)
+    return folder
+
+
+def run_copied(names, *commands, **extra_env):
+    """Each command (a string of arguments, or (arguments, the exit status it must have)) run with `python` in one
+    folder holding copies of names alone: [its stdout and stderr]. The folder is deleted after."""
+    folder = copied(names)
+    try:
+        outputs = []
+        for command in commands:
+            args, code = command, 0
+            if isinstance(command, tuple):
+                args, code = command
+            p = run(*shlex.split(args), cwd=folder, code=code, timeout=300, **extra_env)
+            outputs.append(p.stdout + p.stderr)
+        return outputs
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def copy_runs(script):  # COPIES' script copied with gpt.py: its --help, then its command, each exit 0
+    needs, command = COPIES[script]
+    help_text, out = run_copied([script, "gpt.py", *needs], f"{script} --help", f"{script} {command}")
+    assert help_text.startswith("usage:") and out.strip(), (script, help_text[:300], out[-1000:])
+
+
+def test_each_script_copied_with_gpt_alone_runs():
+    """The README's promise, in empty folders: train.py and gpt.py with input.txt and gpt2_bpe/ train, without
+    flash_triton.py, and --attn triton stops with one sentence; flash_triton.py alone checks its kernels (the
+    interpreter turned on by itself, no GPU); every other script with gpt.py (and the data it reads) runs its --help
+    and its smallest CPU command. The GPU's fallback to SDPA, said once, is checked here with flash_triton made
+    unimportable (default_attention reads only the device's type)."""
+    train, interpret = "train.py --steps 3 --eval-every 3", {}
+    if HAS_CUDA:  # in bf16 the default attention is flash_triton.py's: here its fallback, said in one line
+        train += " --bf16 --model tiny --batch 8 --seq 64"
+        interpret = {"TRITON_INTERPRET": "1"}  # the checks, not the GPU benchmark (without CUDA: set by the file)
+    jobs = [functools.partial(run_copied, ["train.py", "gpt.py", *DATA], train, ("train.py --attn triton", 2)),
+            functools.partial(run_copied, ["flash_triton.py"], "flash_triton.py --shapes 1x2x64x16", **interpret)]
+    jobs += [functools.partial(copy_runs, script) for script in COPIES]
+    with ThreadPoolExecutor(2) as pool:  # two processes at once: the imports of torch wait on the disk
+        futures = [pool.submit(job) for job in jobs]
+        results = [future.result() for future in futures]
+    (trained, refused), (checked,) = results[:2]
+    assert "attention sdpa" in trained and "summary: median step" in trained, trained[-2000:]
+    fallback = "flash_triton.py not found next to gpt.py: attention sdpa\n"
+    assert trained.count(fallback) == HAS_CUDA, trained[-2000:]
+    lines = refused.strip().splitlines()
+    assert lines == ["error: --attn triton runs flash_triton.py's kernels, and there is no flash_triton.py next to "
+                     "gpt.py: copy it there, or choose another --attn"], refused
+    assert checked.strip().endswith(": ok") and "TRITON_INTERPRET=1" in checked, checked
+    said = io.StringIO()
+    hidden = unittest.mock.patch.dict(sys.modules, {"flash_triton": None})  # importing it raises, as in a copy
+    with hidden, unittest.mock.patch.object(gpt, "SAID", set()), contextlib.redirect_stdout(said):
+        picked = [gpt.default_attention("cuda", torch.bfloat16, 64) for _ in range(2)]
+        assert_raises("no flash_triton.py next to gpt.py", gpt.make_config, "tiny", attn="triton")
+        assert ba.make_impls(["triton"], torch.device("cuda")) == {"triton": "needs flash_triton.py"}
+        headline = bench_e2e.headline_settings(gpu=True)  # train.py's headline: our attention
+        assert bench_e2e.skip_reason({}, headline, torch.device("cuda")) == "skipped: needs flash_triton.py"
+    assert picked == ["sdpa", "sdpa"], picked
+    assert said.getvalue() == fallback, said.getvalue()
 
 FOLDING = [  # patterns that make a reader unpick a line; each has a plainer spelling
     (r"__import__\(", "__import__: import at the top, or inside the function"),
