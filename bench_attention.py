@@ -26,9 +26,9 @@ from functools import partial
 
 import torch
 
-from gpt import (ATTENTION, GPU_ONLY_ATTENTION, PROGRESS, SDPA_BACKENDS, check_host_memory, compare, fail, float_in,
-                 free_memory, gib, int_in, int_list, is_oom, naive_attention, name_list, on_device, plot_path, plot_to,
-                 print_table, resolve_device, run_main, saved_tensor_bytes, synchronize)
+from gpt import (ATTENTION, GPU_ONLY_ATTENTION, PROGRESS, SDPA_BACKENDS, check_host_memory, compare, fail,
+                 flash_triton_found, float_in, free_memory, gib, int_in, int_list, is_oom, naive_attention, name_list,
+                 on_device, plot_path, plot_to, print_table, resolve_device, run_main, saved_tensor_bytes, synchronize)
 
 IMPLS = (*ATTENTION, "compiled")
 DEFAULT_IMPLS = ("naive", "compiled", *SDPA_BACKENDS, "triton")  # "sdpa" runs one of these: ask for it by name
@@ -69,6 +69,8 @@ def make_impls(names, device):
             impls[name] = compiled_naive()
         elif device.type != "cuda" and name in GPU_ONLY_ATTENTION and not interpreted:
             impls[name] = "needs CUDA" + (" (or TRITON_INTERPRET=1)" if name == "triton" else "")
+        elif name == "triton" and not flash_triton_found():  # bench_attention.py copied with gpt.py alone
+            impls[name] = "needs flash_triton.py"
         else:
             impls[name] = ATTENTION[name]  # flash and math also have CPU kernels
     return impls

@@ -32,13 +32,12 @@ from itertools import product
 import torch
 
 import gpt  # gpt.NVTX: the switch --nvtx sets
-from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, PRESETS, GPTConfig, MasterWeights,
-                 amp_dtype, autocast, check_host_memory, check_output_path, clock, compile_model, configure_optimizer,
-                 elapsed_ms, fail, flops_per_token, fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, int_in,
-                 int_list, is_oom, lazily, make_config, mfu, nvtx_range, on_device, plot_path, plot_to, print_table,
-                 GraphedStep, average_gradients,
-                 resolve_device, run_main, set_cublas_workspace, set_tf32, step_bytes, summarize, synchronize,
-                 time_rounds, train_step, use_fp8)
+from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, PRESETS, GPTConfig, GraphedStep,
+                 MasterWeights, amp_dtype, autocast, average_gradients, check_host_memory, check_output_path, clock,
+                 compile_model, configure_optimizer, elapsed_ms, fail, flash_triton_found, flops_per_token, fmt_mfu,
+                 fp8_supported, free_memory, gib, gpu_peak_flops, int_in, int_list, is_oom, lazily, make_config, mfu,
+                 nvtx_range, on_device, plot_path, plot_to, print_table, resolve_device, run_main,
+                 set_cublas_workspace, set_tf32, step_bytes, summarize, synchronize, time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
 HEADLINE = "+ bf16 weights kept by the optimizer"  # = python train.py --vocab 50304 --bf16 --compile (on a GPU)
@@ -83,6 +82,8 @@ def skip_reason(change, s, device):
         return "skipped on the CPU (compiling)"
     if s["fp8"] and not fp8_supported(device):
         return "skipped: needs FP8 tensor cores (H100/H200)"
+    if s["attn"] == "triton" and not flash_triton_found():  # bench_e2e.py copied with gpt.py alone
+        return "skipped: needs flash_triton.py"
 
 @dataclass
 class Bench:
@@ -935,6 +936,10 @@ def check_combinations(args, n_models, cpu):
         fail("--warmup-table times one --model, --batch, --seq and --vocab; drop --ladder, --nanogpt and --profile")
     if args.warmup_table and (args.warmup is not None or args.rounds is not None):
         fail("--warmup-table times 0, 1 and 2 warm-up steps itself, a step at a time; drop --warmup and --rounds")
+    needs_flash = args.attn == "triton" or (args.nanogpt and not cpu)  # on a GPU the headline's attention is ours
+    if needs_flash and not flash_triton_found():  # bench_e2e.py copied with gpt.py alone
+        fail("--attn triton, and --nanogpt on a GPU (train.py's headline), run flash_triton.py's kernels, and there is "
+             "no flash_triton.py next to gpt.py: copy it there")
 
 def settings(args, device):
     """([(name, config)], Plan): the flags with this device's defaults (GPU: the headline sizes; CPU: seconds)."""

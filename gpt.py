@@ -1,11 +1,12 @@
-"""GPT-2 in one file: the model every nanoperf script trains, times or takes apart, then the tools they share.
+"""GPT-2 in one file: the model every nanoperf script trains, times or takes apart, then its levers and tools.
 
-Part 1, the model: GPT-2 (pre-LayerNorm blocks, learned positions, tied embeddings) with its speed-ups built in:
-the output layer fused with the loss over chunks of tokens, so the [tokens, vocab] logits never exist, the tied
-embedding's gradient added into the loss's; each residual add fused with the LayerNorm after it, one Triton kernel
-forward and one backward; FP8 matmuls for wide Linears. Part 2, the shared tools: AdamW with its own kernel for the
-matrices, the bf16 weights it can keep (MasterWeights), one training step, FLOPs and MFU, the tokenizer, the one
-timer, flag types and small helpers.
+Part 1, the model, read as nanoGPT's model.py reads: the config and presets, attention and its toggles, the MLP, the
+block, GPT with its padded vocabulary and generate. Each speed-up is entered by one switch you can see in the model
+code (a GPTConfig field), its kernels further down. Part 2, the levers train.py uses by default, a section each that
+says what it buys and the flag that turns it off: the output layer fused with the loss, each residual add fused with
+the LayerNorm after it, AdamW's kernel for the matrices, bf16 weights kept by the optimizer, cuBLAS without a
+workspace; then FP8, behind --fp8. Part 3, the tools the scripts share: the optimizer and one training step, the step
+as one CUDA graph, FLOPs and MFU, the tokenizer, the one timer, flag types, tables and small helpers.
 
     python gpt.py                  # the presets: parameters and training FLOPs per token
     python gpt.py --model gpt2     # where one preset's parameters are
@@ -13,6 +14,7 @@ timer, flag types and small helpers.
 
 import argparse
 import gc
+import importlib.util
 import math
 import os
 import shutil
@@ -87,8 +89,9 @@ def check_config(config):
         raise ValueError(f"vocab {config.vocab_size} is below the tokenizer's {GPT2_VOCAB} tokens")
     if config.attn not in ATTENTION:
         raise ValueError(f"unknown attention '{config.attn}'; choose from {', '.join(ATTENTION)}")
-    if config.attn == "triton" and not have_flash_triton():
-        raise ValueError("attention 'triton' is flash_triton.py's: copy it beside gpt.py, or choose sdpa")
+    if config.attn == "triton" and not flash_triton_found():  # here, not at the first forward: before any work
+        raise ValueError("--attn triton runs flash_triton.py's kernels, and there is no flash_triton.py next to "
+                         "gpt.py: copy it there, or choose another --attn")
     if not 0 <= config.recompute <= config.n_layer:
         raise ValueError(f"--recompute {config.recompute} must be between 1 and the {config.n_layer} layers")
     if config.fused_bias and not config.fused_norms:
@@ -153,23 +156,26 @@ ATTENTION = {  # --attn NAME
     "triton": triton_attention,
 }
 GPU_ONLY_ATTENTION = ("cudnn", "efficient", "triton")
+SAID = set()  # the notes default_attention has printed: each once a process
 
 
-def have_flash_triton():
-    """Whether flash_triton.py can be imported: it sits next to gpt.py here, but a script copied with gpt.py alone
-    runs without it, on SDPA."""
-    import importlib.util
+def flash_triton_found():
+    """Whether flash_triton.py can be imported: the one file gpt.py uses (for --attn triton) that a script copied
+    with gpt.py alone lacks. Looked up, not imported: without a GPU, importing it turns on Triton's interpreter."""
     return importlib.util.find_spec("flash_triton") is not None
 
 
 def default_attention(device, dtype, head_dim):
     """train.py's --attn default: our Triton kernels on a GPU for bf16/fp16 activations of a head dim they have
     tiles for (gpt2's train step on an H100: 1.021-1.025x as fast as with cuDNN), SDPA's own choice otherwise
-    (fp32 and head dims like 2.7B's 80, or flash_triton.py not copied beside gpt.py: said in one line)."""
+    (fp32, head dims like 2.7B's 80, and a copy without flash_triton.py, which says so once)."""
     if torch.device(device).type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "sdpa"
-    if not have_flash_triton():
-        print("note: flash_triton.py is not beside gpt.py: attention by SDPA", file=sys.stderr)
+    if not flash_triton_found():
+        note = "flash_triton.py not found next to gpt.py: attention sdpa"
+        if note not in SAID:
+            SAID.add(note)
+            print(note, flush=True)
         return "sdpa"
     from flash_triton import HEAD_DIMS
     if head_dim not in HEAD_DIMS:
@@ -188,7 +194,8 @@ def matmul_dtype(x):
 
 
 def project(linear, x, bias=True):
-    """linear(x); bias=False: its matmul only, the bias left to a fused kernel (section 5). FP8 Linears keep FP8."""
+    """linear(x); bias=False: its matmul only, the bias left to a fused kernel (section 5). FP8 Linears (section 9)
+    keep FP8."""
     if bias:
         return linear(x)
     if isinstance(linear, Fp8Linear):
@@ -354,9 +361,16 @@ class GPT(nn.Module):
         return idx
 
 
-# --- 4. lever: the output layer and the loss, fused over chunks of rows: the [N, V] logits (1.6 GB in bf16 at
-# N=16,384) never exist. A kernel turns each chunk's logits into their gradient, at once multiplied into dx and dW, in
-# forward. Buys 2.2 GiB of gpt2's step and 1.009x its speed (H100, the ladder); off: train.py --no-fused-ce.
+# ====================================================================================================================
+# Part 2: the levers train.py uses by default, each with what it buys and the flag that turns it off, then FP8 behind
+# its flag. (Its default attention, flash_triton.py's kernels, is section 2's default_attention: --attn sdpa.)
+# ====================================================================================================================
+
+# --- 4. the output layer fused with the loss: the [N, V] logits (1.6 GB in bf16 at N=16,384) never exist. Off:
+# train.py --no-fused-ce (GPTConfig.fused_ce). Over chunks of rows, a kernel turns each chunk's logits into their
+# gradient, at once multiplied into dx and dW, in forward. With it, the tied embedding's gradient is added into the
+# loss's dW (TiedEmbedding: two passes over 154 MB in fp32 fewer at gpt2's size; GPTConfig.embedding_into_dw, which
+# no train.py flag turns off: bench_e2e.py's ladder times it).
 
 @triton.jit
 def _cross_entropy_rows(logits_ptr, targets_ptr, loss_ptr, stride, n_valid, n_cols, BLOCK: tl.constexpr):
@@ -458,20 +472,20 @@ def linear_cross_entropy(x, weight, targets, chunk_rows=None):
     return LinearCrossEntropy.apply(x, weight, targets, chunk_rows or CE_CHUNK_ROWS)
 
 
-# --- 5. lever (off: train.py --no-fused-norms, --no-fused-bias): the residual add fused with the LayerNorm after it.
+# --- 5. each residual add fused with the LayerNorm after it: on an H100 the train step about 3% faster (1.026x and
+# 1.033x, paired against the same model without it); off: train.py --no-fused-norms (GPTConfig.fused_norms). The
+# biases added by the same kernels: 1.008x and 1.013x as fast again; off: --no-fused-bias (GPTConfig.fused_bias).
 # A pre-LN block ends with x = x + branch and the next branch starts with LN(x): forward, one kernel reads x (fp32)
 # and the branch's output y (bf16) once and writes the new x and LN(x) already in the matmuls' dtype; backward, one
 # kernel reads r = x + y, LN's output gradient and the gradient coming down the residual stream once, and writes the
-# stream's gradient, the branch's gradient in its own dtype and each program's partial sums for the LayerNorm's weight
-# and bias. Per element of gpt2's 16,384 x 768 activations: forward 6 bytes read, 6 written; backward 10 read, 6
-# written. On an H100 the train step is about 3% faster (1.026x and 1.033x, paired against the same model without it);
-# alone, the forward takes 1.09x the time of Inductor's own fused add + LayerNorm, so the gain is in the backward and
-# the kernels around it. GPT.fused_norm_blocks runs the blocks this way. With GPTConfig.fused_bias the same kernels
-# also add c_proj's bias to the branch (forward) and sum its gradient from the branch gradient they write (backward),
-# and c_fc's bias goes into GELU (bias_gelu below): a Linear's bias gradient is the column sum of its output's
-# gradient, which otherwise costs a pass of its own over that gradient (by the profile, 0.42 ms a step for gpt2's
-# c_fc, 0.25 for both c_proj; c_attn's stays in its matmul). The step: 1.008x and 1.013x as fast again, paired against
-# the same without them.
+# stream's gradient, the branch's gradient in its own dtype and each program's partial sums for the LayerNorm's
+# weight and bias. Per element of gpt2's 16,384 x 768 activations: forward 6 bytes read, 6 written; backward 10 read,
+# 6 written. Alone, the forward takes 1.09x the time of Inductor's own fused add + LayerNorm, so the gain is in the
+# backward and the kernels around it. GPT.fused_norm_blocks runs the blocks this way. With GPTConfig.fused_bias the
+# same kernels also add c_proj's bias to the branch (forward) and sum its gradient from the branch gradient they
+# write (backward), and c_fc's bias goes into GELU (bias_gelu below): a Linear's bias gradient is the column sum of
+# its output's gradient, which otherwise costs a pass of its own over that gradient (by the profile, 0.42 ms a step
+# for gpt2's c_fc, 0.25 for both c_proj; c_attn's stays in its matmul).
 
 # (rows per program, warps), searched alone at 16,384 x 768 on an H100 over 4-64 rows and 1-8 warps: forward
 # 59 us (16 rows and 4 warps: 61; its 12 bytes an element take 50 us at 3.0 TB/s); backward 80 us (16 rows and
@@ -597,7 +611,7 @@ def add_layer_norm(x, y, norm, out_dtype, y_bias=None):
 # column sums of dh, the bias gradient, instead of a second read of dh (100 MB a layer in gpt2's step) for it.
 BIAS_GELU_TILE = (32, 1024, 4)  # (rows, columns, warps) a program, as first written: not searched
 
-# GPT-2's GELU and its derivative in Triton, for the bias + GELU kernel
+# GPT-2's GELU's derivative in Triton, for this kernel's backward
 GELU_K = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi): GPT-2's tanh GELU is x * sigmoid(2u)
 
 
@@ -605,11 +619,6 @@ GELU_K = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi): GPT-2's tanh GELU
 def _sigmoid_2u(x):  # sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): GELU is 0.5 x (1 + tanh(u)) = x sigmoid(2u)
     two_u = (x + 0.044715 * x * x * x) * GELU_K  # (a constexpr on the left of a tensor breaks the interpreter)
     return 1.0 / (1.0 + tl.exp(-two_u))
-
-
-@triton.jit
-def _gelu(x):
-    return x * _sigmoid_2u(x)
 
 
 @triton.jit
@@ -663,104 +672,9 @@ def bias_gelu(h0, b):
     return F.gelu(h0 + b.to(h0.dtype), approximate="tanh")
 
 
-# --- 6. lever, off by default: FP8 matmuls (H100/H200), twice the bf16 rate: e4m3 activations and weights, e5m2
-# gradients, amax scales. At gpt2's width the scaling costs more than the GEMMs save (0.85x, the ladder's FP8 rung):
-# train.py --fp8 converts only Linears 2048 wide or more.
-
-E4M3 = torch.float8_e4m3fn  # 3 mantissa bits, max 448: activations and weights
-E5M2 = torch.float8_e5m2  # 2 mantissa bits, max 57344: gradients, whose range is wider
-
-
-def to_fp8(t, dtype):
-    """(t scaled so its largest magnitude lands at dtype's max and cast, the inverse scale to undo it)."""
-    amax = t.detach().abs().amax().float().clamp(min=1e-12)
-    fp8_max = torch.finfo(dtype).max
-    scale = fp8_max / amax
-    scaled = (t.float() * scale).clamp(-fp8_max, fp8_max)
-    return scaled.to(dtype), scale.reciprocal()
-
-
-def fp8_mm(a8, a_inv, b8, b_inv):
-    """a (M, K) row-major times b (K, N) column-major (what the FP8 tensor cores take), bf16 out."""
-    return torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
-
-
-class Fp8Matmul(torch.autograd.Function):
-    """y = x W^T with all three matmuls of a Linear (forward, dX, dW) in FP8."""
-    @staticmethod
-    def forward(ctx, x, weight):
-        x8, x_inv = to_fp8(x, E4M3)
-        w8, w_inv = to_fp8(weight, E4M3)
-        ctx.save_for_backward(x8, x_inv, w8, w_inv)
-        return fp8_mm(x8, x_inv, w8.t(), w_inv)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x8, x_inv, w8, w_inv = ctx.saved_tensors
-        dy8, dy_inv = to_fp8(dy, E5M2)
-        dx = fp8_mm(dy8, dy_inv, w8.t().contiguous().t(), w_inv)  # the second operand column-major
-        dw = fp8_mm(dy8.t().contiguous(), dy_inv, x8.t().contiguous().t(), x_inv)
-        return dx, dw.float()
-
-
-class Fp8Linear(nn.Linear):
-    """nn.Linear whose matmuls run in FP8; weight and bias stay fp32 (the optimizer's copy)."""
-    def matmul(self, x):  # x W^T without the bias
-        y = Fp8Matmul.apply(x.flatten(0, -2), self.weight)  # (tokens, out): the batch dims flattened
-        return y.unflatten(0, x.shape[:-1])  # back to (..., out)
-
-    def forward(self, x):
-        y = self.matmul(x)
-        if self.bias is None:
-            return y
-        return y + self.bias.to(y.dtype)
-
-
-# FP8 for a block's Linears both ways >= FP8_MIN_WIDTH: narrower ones don't repay the scaling; lm_head: fused loss
-FP8_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-FP8_MIN_WIDTH = 2048
-
-
-def fp8_supported(device):
-    """FP8 tensor cores: compute capability 8.9 (Ada) and up, H100 and H200 included."""
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def use_fp8(model, min_width=FP8_MIN_WIDTH):
-    """Turns the FP8_LAYERS at least min_width wide both ways into Fp8Linear: [(name, in, out, converted)]."""
-    plan = []
-    for name, m in model.named_modules():
-        if type(m) is nn.Linear and name.endswith(FP8_LAYERS):
-            chosen = min(m.in_features, m.out_features) >= min_width
-            if chosen:
-                m.__class__ = Fp8Linear
-            plan.append((name, m.in_features, m.out_features, chosen))
-    return plan
-
-
-# ====================================================================================================================
-# Part 2: the shared tools: optimizer, compilation, FSDP2, a training step, FLOPs and MFU, tokenizer, timer, helpers
-# ====================================================================================================================
-
-# --- 7. the optimizer (AdamW's own kernel for the matrices; the bf16 weights it can keep: train.py
-# --no-master-weights), compilation, sharding, one training step and the whole step as one CUDA graph
-# (--no-cuda-graph), data parallel's gradient average
-
-def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
-    """The model's AdamW (adamw below), over every parameter that trains."""
-    return adamw([p for p in model.parameters() if p.requires_grad], lr, weight_decay, betas, matrix_kernel)
-
-
-def adamw(params, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
-    """AdamW with weight decay on matrices and embeddings, not on biases or LayerNorm gains; fused on a GPU (a few
-    kernels for all the parameters instead of a dozen per parameter), the matrices through _adamw below unless
-    matrix_kernel is False (torch's fused AdamW for all)."""
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = AdamW if matrix_kernel else torch.optim.AdamW
-    return optimizer(groups, lr=lr, betas=betas, fused=all(p.is_cuda for p in params))
-
+# --- 6. AdamW's kernel for the matrices: gpt2's optimizer step on an H100 1.27 ms, against 1.53 with torch's fused
+# AdamW for every parameter (its multi-tensor launches reach 2.3 TB/s, these 2.7). No train.py flag turns it off:
+# configure_optimizer(..., matrix_kernel=False) does (bench_e2e.py's ladder times both).
 
 @triton.jit
 def _adamw(param_ptr, grad_ptr, m_ptr, v_ptr, low_ptr, scale_ptr, step_ptr, n, lr, weight_decay, beta1, beta2, eps,
@@ -872,6 +786,10 @@ class AdamW(torch.optim.AdamW):
         return loss
 
 
+# --- 7. bf16 weights kept by the optimizer, cast once a step: on an H100 (gpt2, B=16, CUDA graphs) a step 0.66 ms
+# shorter than with autocast's casts. Off: train.py --no-master-weights (on by default with --bf16 in one process,
+# without --grad-accum or --fp8).
+
 class MasterWeights:
     """Weights cast once, where they change: an optimizer (step, zero_grad, param_groups) for a model whose
     blocks' matmul weights are bf16, with their fp32 masters and AdamW's moments kept here.
@@ -963,17 +881,12 @@ class MasterWeights:
         set_optimizer_state_dict(model, self.optimizer, {"state": state, "param_groups": groups}, options=options)
 
 
-def compile_model(model, cuda_graphs=False):
-    """torch.compile; CUDA graphs only on one GPU without gradient accumulation (a replay overwrites the grads).
-    PDL lets a kernel's prologue start while the one before it finishes."""
-    return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
-
-
-# cuBLAS's workspace. With one (PyTorch's default), cuBLAS's Hopper matmul kernels hand out their output tiles from a
-# counter kept in it, and cuBLAS zeroes that counter with a memset before every such matmul: gpt2's step has 102 of
-# them, and in a CUDA-graphed step each memset and the gaps on either side of it cost about 4 us (0.4 ms a step on
-# an H100). Without a workspace cuBLAS picks the same kernels with their tiles scheduled statically: no memsets,
-# no slower matmuls at gpt2's shapes (bench_e2e.py's ladder). PyTorch reads these two variables at every cuBLAS call
+# --- 8. cuBLAS without a workspace: no memset before each matmul, about 0.4 ms a CUDA-graphed step of gpt2 on an
+# H100. Off: train.py --cublas-workspace (PyTorch's default). With a workspace, cuBLAS's Hopper matmul kernels hand
+# out their output tiles from a counter kept in it, and cuBLAS zeroes that counter with a memset before every such
+# matmul: gpt2's step has 102 of them, and in a CUDA-graphed step each memset and the gaps on either side of it cost
+# about 4 us. Without a workspace cuBLAS picks the same kernels with their tiles scheduled statically: no memsets, no
+# slower matmuls at gpt2's shapes (bench_e2e.py's ladder). PyTorch reads these two variables at every cuBLAS call
 # (torch 2.11), so a process can switch between variants; a CUDA graph keeps the kernels it captured.
 CUBLAS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
 CUBLAS_ENV_AT_START = {name: os.environ.get(name) for name in CUBLAS_ENV}  # what enabled=True restores
@@ -996,6 +909,109 @@ def set_cublas_workspace(enabled):
         # of a workspace larger than the buffer (a failed matmul). CUDA graphs capture their own (cudagraph trees
         # clear these the same way around each capture).
         torch._C._cuda_clearCublasWorkspaces()
+
+
+# --- 9. FP8 matmuls (H100/H200), twice the bf16 rate: e4m3 activations and weights, e5m2 gradients, amax scales.
+# Not on by default: train.py --fp8 turns it on, in the block Linears FP8_MIN_WIDTH wide and up (precision.py times
+# it against bf16).
+
+E4M3 = torch.float8_e4m3fn  # 3 mantissa bits, max 448: activations and weights
+E5M2 = torch.float8_e5m2  # 2 mantissa bits, max 57344: gradients, whose range is wider
+
+
+def to_fp8(t, dtype):
+    """(t scaled so its largest magnitude lands at dtype's max and cast, the inverse scale to undo it)."""
+    amax = t.detach().abs().amax().float().clamp(min=1e-12)
+    fp8_max = torch.finfo(dtype).max
+    scale = fp8_max / amax
+    scaled = (t.float() * scale).clamp(-fp8_max, fp8_max)
+    return scaled.to(dtype), scale.reciprocal()
+
+
+def fp8_mm(a8, a_inv, b8, b_inv):
+    """a (M, K) row-major times b (K, N) column-major (what the FP8 tensor cores take), bf16 out."""
+    return torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16)
+
+
+class Fp8Matmul(torch.autograd.Function):
+    """y = x W^T with all three matmuls of a Linear (forward, dX, dW) in FP8."""
+    @staticmethod
+    def forward(ctx, x, weight):
+        x8, x_inv = to_fp8(x, E4M3)
+        w8, w_inv = to_fp8(weight, E4M3)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        return fp8_mm(x8, x_inv, w8.t(), w_inv)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        dy8, dy_inv = to_fp8(dy, E5M2)
+        dx = fp8_mm(dy8, dy_inv, w8.t().contiguous().t(), w_inv)  # the second operand column-major
+        dw = fp8_mm(dy8.t().contiguous(), dy_inv, x8.t().contiguous().t(), x_inv)
+        return dx, dw.float()
+
+
+class Fp8Linear(nn.Linear):
+    """nn.Linear whose matmuls run in FP8; weight and bias stay fp32 (the optimizer's copy)."""
+    def matmul(self, x):  # x W^T without the bias
+        y = Fp8Matmul.apply(x.flatten(0, -2), self.weight)  # (tokens, out): the batch dims flattened
+        return y.unflatten(0, x.shape[:-1])  # back to (..., out)
+
+    def forward(self, x):
+        y = self.matmul(x)
+        if self.bias is None:
+            return y
+        return y + self.bias.to(y.dtype)
+
+
+# FP8 for a block's Linears both ways >= FP8_MIN_WIDTH: narrower ones don't repay the scaling; lm_head: fused loss
+FP8_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+FP8_MIN_WIDTH = 2048
+
+
+def fp8_supported(device):
+    """FP8 tensor cores: compute capability 8.9 (Ada) and up, H100 and H200 included."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def use_fp8(model, min_width=FP8_MIN_WIDTH):
+    """Turns the FP8_LAYERS at least min_width wide both ways into Fp8Linear: [(name, in, out, converted)]."""
+    plan = []
+    for name, m in model.named_modules():
+        if type(m) is nn.Linear and name.endswith(FP8_LAYERS):
+            chosen = min(m.in_features, m.out_features) >= min_width
+            if chosen:
+                m.__class__ = Fp8Linear
+            plan.append((name, m.in_features, m.out_features, chosen))
+    return plan
+
+
+# ====================================================================================================================
+# Part 3: the shared tools: optimizer, training step, CUDA graph, FSDP2, FLOPs and MFU, tokenizer, timer, helpers
+# ====================================================================================================================
+
+# --- 10. the optimizer, compilation, sharding and one training step
+
+def configure_optimizer(model, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
+    """The model's AdamW (adamw below), over every parameter that trains."""
+    return adamw([p for p in model.parameters() if p.requires_grad], lr, weight_decay, betas, matrix_kernel)
+
+
+def adamw(params, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
+    """AdamW with weight decay on matrices and embeddings, not on biases or LayerNorm gains; fused on a GPU (a few
+    kernels for all the parameters instead of a dozen per parameter), the matrices through _adamw below unless
+    matrix_kernel is False (torch's fused AdamW for all)."""
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = AdamW if matrix_kernel else torch.optim.AdamW
+    return optimizer(groups, lr=lr, betas=betas, fused=all(p.is_cuda for p in params))
+
+
+def compile_model(model, cuda_graphs=False):
+    """torch.compile; CUDA graphs only on one GPU without gradient accumulation (a replay overwrites the grads).
+    PDL lets a kernel's prologue start while the one before it finishes."""
+    return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
 
 
 def fully_shard_gpt(model, param_dtype=None):
@@ -1098,6 +1114,8 @@ def average_gradients(params, world):
     torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
+# --- 11. the step as one CUDA graph, on a GPU with --compile (train.py --no-cuda-graph launches it from Python)
+
 class GraphedStep:
     """train_step captured once in a CUDA graph and replayed every step: all its micro-batches' forwards and
     backwards, the all-reduce, the clip and AdamW are queued by one call, graph.replay(), where otherwise the host
@@ -1169,7 +1187,7 @@ def step_state(model, optimizer):
     return tensors
 
 
-# --- 8. FLOPs and MFU
+# --- 12. FLOPs and MFU
 
 def flops_per_token(config, seq_len):
     """Training FLOPs per token: 6 per matmul parameter (2 forward, 4 backward) plus attention's QK^T and PV,
@@ -1231,7 +1249,7 @@ def step_bytes(config, B, T, bf16):
     return 16 * params + activations + logit_rows * config.vocab_size * 4
 
 
-# --- 9. tokenizer and data
+# --- 13. tokenizer and data
 
 R50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 BPE_DIR = os.path.join(HERE, "gpt2_bpe")
@@ -1265,7 +1283,7 @@ def load_tokens(path=INPUT_TXT):
     return torch.tensor(gpt2_tokenizer().encode_ordinary(text), dtype=torch.long)
 
 
-# --- 10. the one timer: variants in rounds (A B C, B C A, ...) as a shared GPU's speed drifts; ratios paired per round
+# --- 14. the one timer: variants in rounds (A B C, B C A, ...) as a shared GPU's speed drifts; ratios paired per round
 
 def clock(device):
     """A time stamp. On a GPU, an event queued behind the work already queued: it fires when the GPU gets there,
@@ -1399,7 +1417,7 @@ def compare(variants, device, baseline=None, rounds=20, steps=3, warmup=2, progr
     times, peaks = time_rounds(variants, device, rounds, steps, warmup, progress=progress)
     return summarize(times, baseline, peaks)
 
-# --- 11. small helpers: flags, device, precision, memory, errors, paths, tables
+# --- 15. small helpers: flags, device, precision, memory, errors, paths, tables
 
 # Flags: argparse `type=` helpers, the one way every script validates a number. A bad value is argparse's own error:
 # one sentence naming the flag as the last line, exit status 2, no traceback.

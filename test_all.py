@@ -13,7 +13,7 @@ Contents, in the README's script order:
   6. memory.py: the analytic model against live tensors, snapshot, checkpointing, the parallelism calculator
   7. ddp.py: all-reduce table, every wrapper, ZeRO and FSDP equal one process, bad input
   8. flash_triton.py: both autograd Functions against float64, plans, the grid, bad input
-  9. the repository: code style
+  9. the repository: each script copied with gpt.py alone runs; code style
   the runner: main()
 """
 
@@ -79,10 +79,11 @@ def skip(reason):
 def env(**extra):  # unbuffered: a child's lines arrive as it prints them
     return {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
 
-def run(*args, timeout=600, **extra_env):  # `python args...` in a fresh process (torchrun, TRITON_INTERPRET): exit 0
-    p = subprocess.run([sys.executable, *map(str, args)], cwd=HERE, env=env(**extra_env), capture_output=True,
+def run(*args, timeout=600, cwd=HERE, code=0, **extra_env):
+    """`python args...` in a fresh process (torchrun, TRITON_INTERPRET), started in cwd: it must exit `code`."""
+    p = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env(**extra_env), capture_output=True,
                        text=True, timeout=timeout)
-    assert p.returncode == 0, \
+    assert p.returncode == code, \
         f"{' '.join(map(str, args))} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p
 
@@ -754,42 +755,6 @@ def test_train_two_nodes_on_one_machine_save_and_resume():
         assert "resumed from" in out and "at step 4" in out, out
         torch.testing.assert_close(first + second, reference()[0], **LAYOUT)
 
-def copied(*names):  # a fresh folder holding these files and folders of the repository, nothing else
-    folder = tempfile.mkdtemp()
-    for name in names:
-        if os.path.isdir(os.path.join(HERE, name)):
-            shutil.copytree(os.path.join(HERE, name), os.path.join(folder, name))
-        else:
-            shutil.copy(os.path.join(HERE, name), folder)
-    return folder
-
-def ran_in(folder, *args):  # `python args...` with folder as its directory: (stdout, stderr), exit status 0
-    p = subprocess.run([sys.executable, *map(str, args)], cwd=folder, env=env(), capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, f"{args} in {sorted(os.listdir(folder))} exited {p.returncode}:\n{p.stdout[-2000:]}" \
-                              f"\n{p.stderr[-2000:]}"
-    return p.stdout, p.stderr
-
-def test_a_script_copied_with_gpt_py_alone_runs():
-    """The copy promise: each script with gpt.py (and the data it reads) in an empty folder runs there; train.py
-    without flash_triton.py (on a GPU its default attention falls back to SDPA and says so; --attn triton is
-    refused in one sentence); flash_triton.py alone runs its checks."""
-    data = ("input.txt", "gpt2_bpe")
-    out, _ = ran_in(copied("train.py", "gpt.py", *data), "train.py", "--steps", 3, "--eval-every", 3, "--batch", 2)
-    assert "summary: median step" in out, out
-    out, _ = ran_in(copied("flash_triton.py"), "flash_triton.py", "--shapes", "1x2x64x16")
-    assert out.strip().splitlines()[-1].endswith("ok"), out
-    for script, args in [("bench_e2e.py", "--batch 1 --seq 16 --rounds 1 --mode train"),
-                         ("bench_attention.py", "--impl naive,sdpa --d 16 --seq 32 --rounds 1 --steps 1 --warmup 1"),
-                         ("precision.py", "--only formats"), ("memory.py", "parallel"),
-                         ("ddp.py", "selftest --world 2 --backend gloo")]:
-        ran_in(copied(script, "gpt.py", *data), script, *args.split())
-    with unittest.mock.patch.object(gpt, "have_flash_triton", return_value=False):
-        with contextlib.redirect_stderr(io.StringIO()) as said:
-            assert gpt.default_attention("cuda", torch.bfloat16, 64) == "sdpa"
-        assert said.getvalue().count("\n") == 1 and "flash_triton.py is not beside gpt.py" in said.getvalue()
-        assert_raises("copy it beside gpt.py", gpt.make_config, "tiny", attn="triton")
-
 def test_train_master_weights_resume_exactly_and_share_checkpoints():
     """--bf16 in one process keeps bf16 weights in the model and fp32 masters in the optimizer (gpt.MasterWeights):
     stopped and resumed, every loss is the whole run's, and it loses as autocast does; its checkpoint holds the fp32
@@ -1423,11 +1388,10 @@ def lever_curves(device, levers, steps=200, seeds=(0, 1, 2), B=4, T=64):
 def test_bench_e2e_gpu_levers_train_as_the_headline():
     """The four rungs before the headline (each one lever fewer than the next: autocast's casts instead of bf16
     weights kept by the optimizer, torch's fused AdamW, the embedding's gradient summed apart, cuBLAS with its
-    workspace) are the same model and math as the headline (not FP8, the lever past it, which changes the arithmetic):
-    over 200 steps and three data seeds its loss curve stays within bf16 noise of the headline's (mean difference
-    under 1% of the loss, the last 20 steps' mean within 1%), and the loss falls."""
-    before = [name for name, _ in bench_e2e.LADDER[bench_e2e.HEADLINE_NUMBER - 5:bench_e2e.HEADLINE_NUMBER - 1]]
-    levers = before
+    workspace) are the same model and math as the headline (not the FP8 lever past it, which changes the
+    arithmetic): over 200 steps and three data seeds each one's loss curve stays within bf16 noise of the
+    headline's (mean difference under 1% of the loss, the last 20 steps' mean within 1%), and the loss falls."""
+    levers = [name for name, _ in bench_e2e.LADDER[bench_e2e.HEADLINE_NUMBER - 5:bench_e2e.HEADLINE_NUMBER - 1]]
     curves = lever_curves("cuda", levers)
     for name in levers:
         for seed, (ours, head) in enumerate(zip(curves[name], curves[bench_e2e.HEADLINE])):
@@ -2588,7 +2552,85 @@ def test_flash_train_matches_sdpa():
     assert ref and len(ours) == len(ref) and all(abs(a - b) < 0.05 * abs(b) + 0.02 for a, b in zip(ours, ref)), \
         (ours, ref)
 
-# --- 9. the repository: code style (ruff checks the rest in CI)
+# --- 9. the repository: each script copied with gpt.py alone runs; code style (ruff checks the rest in CI)
+
+DATA = ("input.txt", "gpt2_bpe")  # the training text and the tokenizer's files, for the scripts that read them
+COPIES = {  # script: (what it needs beside gpt.py, its smallest CPU command here)
+    "bench_e2e.py": ((), "--device cpu --batch 1 --seq 16 --mode forward --rounds 1"),
+    "bench_attention.py": ((), "--impl naive,triton --d 16 --seq 32 --rounds 2 --steps 1 --dtype fp32"),
+    "precision.py": (DATA, "--device cpu --only formats,accumulate"),
+    "ddp.py": ((), "allreduce --backend gloo --worlds 2 --sizes 0.001 --warmup 1 --iters 3"),
+    "memory.py": ((), "parallel"),
+}
+
+
+def copied(names):  # a new empty folder holding copies of these files and folders of the repository
+    folder = tempfile.mkdtemp()
+    for name in names:
+        if os.path.isdir(os.path.join(HERE, name)):
+            shutil.copytree(os.path.join(HERE, name), os.path.join(folder, name))
+        else:
+            shutil.copy(os.path.join(HERE, name), folder)
+    return folder
+
+
+def run_copied(names, *commands, **extra_env):
+    """Each command (a string of arguments, or (arguments, the exit status it must have)) run with `python` in one
+    folder holding copies of names alone: [its stdout and stderr]. The folder is deleted after."""
+    folder = copied(names)
+    try:
+        outputs = []
+        for command in commands:
+            args, code = command, 0
+            if isinstance(command, tuple):
+                args, code = command
+            p = run(*shlex.split(args), cwd=folder, code=code, timeout=300, **extra_env)
+            outputs.append(p.stdout + p.stderr)
+        return outputs
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def copy_runs(script):  # COPIES' script copied with gpt.py: its --help, then its command, each exit 0
+    needs, command = COPIES[script]
+    help_text, out = run_copied([script, "gpt.py", *needs], f"{script} --help", f"{script} {command}")
+    assert help_text.startswith("usage:") and out.strip(), (script, help_text[:300], out[-1000:])
+
+
+def test_each_script_copied_with_gpt_alone_runs():
+    """The README's promise, in empty folders: train.py and gpt.py with input.txt and gpt2_bpe/ train, without
+    flash_triton.py, and --attn triton stops with one sentence; flash_triton.py alone checks its kernels (the
+    interpreter turned on by itself, no GPU); every other script with gpt.py (and the data it reads) runs its --help
+    and its smallest CPU command. The GPU's fallback to SDPA, said once, is checked here with flash_triton made
+    unimportable (default_attention reads only the device's type)."""
+    train, interpret = "train.py --steps 3 --eval-every 3", {}
+    if HAS_CUDA:  # in bf16 the default attention is flash_triton.py's: here its fallback, said in one line
+        train += " --bf16 --model tiny --batch 8 --seq 64"
+        interpret = {"TRITON_INTERPRET": "1"}  # the checks, not the GPU benchmark (without CUDA: set by the file)
+    jobs = [functools.partial(run_copied, ["train.py", "gpt.py", *DATA], train, ("train.py --attn triton", 2)),
+            functools.partial(run_copied, ["flash_triton.py"], "flash_triton.py --shapes 1x2x64x16", **interpret)]
+    jobs += [functools.partial(copy_runs, script) for script in COPIES]
+    with ThreadPoolExecutor(2) as pool:  # two processes at once: the imports of torch wait on the disk
+        futures = [pool.submit(job) for job in jobs]
+        results = [future.result() for future in futures]
+    (trained, refused), (checked,) = results[:2]
+    assert "attention sdpa" in trained and "summary: median step" in trained, trained[-2000:]
+    fallback = "flash_triton.py not found next to gpt.py: attention sdpa\n"
+    assert trained.count(fallback) == HAS_CUDA, trained[-2000:]
+    lines = refused.strip().splitlines()
+    assert lines == ["error: --attn triton runs flash_triton.py's kernels, and there is no flash_triton.py next to "
+                     "gpt.py: copy it there, or choose another --attn"], refused
+    assert checked.strip().endswith(": ok") and "TRITON_INTERPRET=1" in checked, checked
+    said = io.StringIO()
+    hidden = unittest.mock.patch.dict(sys.modules, {"flash_triton": None})  # importing it raises, as in a copy
+    with hidden, unittest.mock.patch.object(gpt, "SAID", set()), contextlib.redirect_stdout(said):
+        picked = [gpt.default_attention("cuda", torch.bfloat16, 64) for _ in range(2)]
+        assert_raises("no flash_triton.py next to gpt.py", gpt.make_config, "tiny", attn="triton")
+        assert ba.make_impls(["triton"], torch.device("cuda")) == {"triton": "needs flash_triton.py"}
+        headline = bench_e2e.headline_settings(gpu=True)  # train.py's headline: our attention
+        assert bench_e2e.skip_reason({}, headline, torch.device("cuda")) == "skipped: needs flash_triton.py"
+    assert picked == ["sdpa", "sdpa"], picked
+    assert said.getvalue() == fallback, said.getvalue()
 
 FOLDING = [  # patterns that make a reader unpick a line; each has a plainer spelling
     (r"__import__\(", "__import__: import at the top, or inside the function"),

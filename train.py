@@ -514,7 +514,7 @@ def parse_args(argv):
     p.add_argument("--nvtx", action="store_true", help="NVTX ranges (step, forward, backward, optimizer step; naive "
                    "attention's stages) for nsys profile --trace=cuda,nvtx; CUDA only, ignored on the CPU")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if present)")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int_in(), default=1337)
     return p.parse_args(argv)
 
 @dataclass(frozen=True)
@@ -663,7 +663,8 @@ def check_resume(run, world):
 
 def said_once(quiet, check, *args):
     """check(*args), a check that ends the process itself (argparse: usage and error, or --help; gpt's memory
-    check): on torchrun's ranks other than 0 (quiet) without a word, rank 0 saying the same once."""
+    check) or prints a note (gpt.default_attention's): on torchrun's ranks other than 0 (quiet) without a word, rank
+    0 saying the same once."""
     if not quiet:
         return check(*args)
     said = io.StringIO()  # kept, in case rank 0 does not meet the same mistake
@@ -727,7 +728,7 @@ def main(argv=None):
         check_flags(args)
         rank, world, device = ranks_and_device(args.fsdp, args.device)
         run = settings(args, argv, device)
-        config = check_model(run, device)
+        config = said_once(quiet, check_model, run, device)  # a fallback note (no flash_triton.py): rank 0's alone
         data = check_data(run, world)
         if device.type == "cpu":  # refused here, not ended by the OOM killer without a word
             said_once(quiet, check_host_memory, step_bytes(config, run.batch, run.seq, run.bf16),
