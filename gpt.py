@@ -1119,8 +1119,8 @@ def average_gradients(params, world):
 class GraphedStep:
     """train_step captured once in a CUDA graph and replayed every step: all its micro-batches' forwards and
     backwards, the all-reduce, the clip and AdamW are queued by one call, graph.replay(), where otherwise the host
-    launches each of their ~1,000 kernels from Python. A compiled gpt2 step without a graph is host-bound: the
-    GPU waits while Python, autograd and the compiled graphs' wrappers queue kernels (bench_e2e.py --profile).
+    launches each of their kernels from Python. A compiled gpt2 step without a graph is host-bound: on an H200,
+    two micro-batches of 8 took 53.5 ms where one of 16 took 31 ms with CUDA graphs, 33.4 ms as one graph.
 
     A replay runs the captured kernels on the captured addresses, so everything a step reads must stay in place:
     the batch is copied into buffers the graph reads; the learning rate is a GPU tensor that AdamW's kernels read
