@@ -368,8 +368,8 @@ def nanogpt_variants(module, config, device, x, y, world, quiet):
     baseline's name). One process: nanoGPT as its train.py runs it (cuBLAS's workspace on) and, on a GPU, with the
     headline's cuBLAS setting too (how much of the lead is that switch, which any model can take); ours with and
     without the fused loss. Under torchrun: each one's step on one GPU (every rank alone, no communication) and data
-    parallel on all of them; ours as train.py runs it on several (without the bf16 weights kept by the optimizer)
-    and with them."""
+    parallel on all of them; ours as train.py runs it on several (bf16 weights kept by the optimizer, their
+    gradients all-reduced in bf16) and, where that applies, with autocast's casts and fp32 gradients instead."""
     gpu = device.type == "cuda"
     headline = headline_settings(gpu)
     makers, spans = {}, {}  # name: (build(), step(bench, x, y)); name: (ranks, one-rank row)
@@ -389,13 +389,13 @@ def nanogpt_variants(module, config, device, x, y, world, quiet):
         makers[theirs_alone] = (partial(build_nanogpt, module, config, device), nanogpt_step)
         makers[base] = (partial(build_nanogpt, module, config, device, ddp=True), nanogpt_step)
         makers[ours_alone] = (partial(build_headline, config, headline, device), headline_step)
-        makers[f"ours, {many}"] = (
-            partial(build_headline, config, {**headline, "master": False}, device, world), headline_step)
+        makers[f"ours, {many}"] = (partial(build_headline, config, headline, device, world), headline_step)
         spans[base], spans[f"ours, {many}"] = (world, theirs_alone), (world, ours_alone)
-        if headline["master"]:
-            makers[f"ours, {many}, bf16 weights kept"] = (
-                partial(build_headline, config, headline, device, world), headline_step)
-            spans[f"ours, {many}, bf16 weights kept"] = (world, ours_alone)
+        if headline["master"]:  # the lever train.py --no-master-weights turns off: fp32 gradients on the wire
+            casts = f"ours, {many}, autocast's casts (--no-master-weights)"
+            makers[casts] = (partial(build_headline, config, {**headline, "master": False}, device, world),
+                             headline_step)
+            spans[casts] = (world, ours_alone)
     note = "compiling..."
     if not gpu:
         note = "first step"

@@ -801,8 +801,9 @@ class MasterWeights:
     round-to-nearest casts, made once per step instead of once per use); on a CPU training matches it bit for
     bit. The token embedding (tied to the output layer) and every vector stay fp32, as autocast keeps them,
     with gpt.AdamW. Gradients clip as with torch's fused AdamW (clip_gradients sets grad_scale). Checkpoints:
-    full_state and load_full_state, in an autocast run's layout. One process only (train.py): DDP would
-    all-reduce, and accumulation add, the gradients in bf16. On an H100 (gpt2, B=16, CUDA graphs, traced) a step
+    full_state and load_full_state, in an autocast run's layout. Data parallel, average_gradients all-reduces the
+    bf16 gradients in bf16; train.py leaves it off under accumulation, where micro-batches would add up in bf16,
+    rounding once per micro-batch. On an H100 (gpt2, B=16, CUDA graphs, traced) a step
     takes 0.66 ms less than the same step with autocast's casts (bench_e2e.py's ladder, its last two rungs)."""
 
     def __init__(self, model, lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8):
@@ -1103,15 +1104,21 @@ def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, m
 
 def average_gradients(params, world):
     """Data parallelism's one promise, kept after the last backward: every rank holds the mean of all the ranks'
-    gradients. Copied into one flat buffer for one all-reduce: one per gradient (~150 for gpt2) would each pay the
-    collective's fixed latency. Inside a CUDA graph (GraphedStep) it costs no host time; torch's DDP overlaps the
-    same all-reduce with the backward instead, from hooks that a graph of the compiled step cannot hold."""
+    gradients. Copied into one flat buffer per dtype for one all-reduce each: one per gradient (~150 for gpt2) would
+    each pay the collective's fixed latency. Each dtype is summed in itself: fp32 gradients in fp32, MasterWeights'
+    bf16 ones in bf16, half the bytes on the wire (what torch's DDP does with bf16 weights). With two ranks that is
+    exact: the bf16 sum of two bf16 values, halved, is their fp32 mean rounded once to bf16, the gradient's own
+    dtype; with more ranks each hop of the ring rounds once. Inside a CUDA graph (GraphedStep) it costs no host
+    time; torch's DDP overlaps the same all-reduce with the backward instead, from hooks that a graph of the
+    compiled step cannot hold."""
     import torch.distributed as dist
     grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.flatten().float() for g in grads])  # (all gradients' elements,), fp32
-    dist.all_reduce(flat)  # the sum over the ranks (gloo has no average)
-    flat /= world
-    torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
+    for dtype in dict.fromkeys(g.dtype for g in grads):  # in the order met: the same on every rank
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.flatten() for g in same])  # (their elements,)
+        dist.all_reduce(flat)  # the sum over the ranks (gloo has no average)
+        flat /= world
+        torch._foreach_copy_(same, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in same]), same)])
 
 
 # --- 11. the step as one CUDA graph, on a GPU with --compile (train.py --no-cuda-graph launches it from Python)

@@ -777,6 +777,19 @@ def test_train_master_weights_resume_exactly_and_share_checkpoints():
         third = train_main(*bf16, "--ckpt", f"{tmp}/n.pt", "--resume")[0]
         torch.testing.assert_close(autocast[:3] + third, autocast, atol=1e-3, rtol=0)
 
+def test_train_data_parallel_keeps_bf16_weights_and_matches_one_process():
+    """--bf16 on two ranks keeps the bf16 weights too (gpt.MasterWeights), their gradients all-reduced in bf16: every
+    loss is the one-process run's on the same global batch, to bf16's rounding, and the checkpoint rank 0 saves
+    resumes in one process where the two ranks stopped."""
+    bf16 = [*TINY, "--bf16"]
+    one, out_one = train_main(*bf16)
+    with tempfile.TemporaryDirectory() as tmp:
+        code, two, out, err = train_proc([*bf16, "--batch", 2, "--ckpt", f"{tmp}/b.pt", "--stop-after", 5], True)
+        assert code == 0 and "bf16 weights kept by the optimizer" in out and "x 2 processes" in out, (out, err[-2000:])
+        rest, out = train_main(*bf16, "--ckpt", f"{tmp}/b.pt", "--resume")  # one process, the same global batch
+        assert "at step 5" in out, out
+    torch.testing.assert_close(two + rest, one, atol=2e-3, rtol=0)  # bf16 gradients summed apart: ~4e-4
+
 def test_every_script_stops_cleanly_on_signals():
     """SIGINT or SIGTERM mid-run: exit 130 / 143, a last line that says so, no traceback; ddp.py's ranks end too."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # inherited: Python then installs no Ctrl-C handler
