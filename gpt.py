@@ -421,10 +421,10 @@ def chunk_loss_and_grad(logits, targets, n_valid):
 class LinearCrossEntropy(torch.autograd.Function):
     """mean_i cross_entropy(x_i W^T, y_i) with its gradients for x and W computed in forward."""
     @staticmethod
-    def forward(ctx, x, weight, targets, chunk_rows):
+    def forward(ctx, x, weight, targets, chunk_rows, n_valid):
         dtype = matmul_dtype(x)  # the matmuls in the autocast dtype, as nn.Linear's would be
         xc, w = x.to(dtype), weight.to(dtype)
-        N, n_valid = x.shape[0], min(GPT2_VOCAB, weight.shape[0])
+        N = x.shape[0]
         losses, dx, dw = [], torch.empty_like(x), None
         with torch.autocast(x.device.type, enabled=False):
             for start in range(0, N, chunk_rows):
@@ -444,7 +444,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         dx, dw = ctx.saved_tensors  # gradients of the sum of the losses; the loss is their mean
         scale = grad_loss / ctx.n_rows
-        return dx * scale, dw * scale, None, None
+        return dx * scale, dw * scale, None, None, None
 
 
 class TiedEmbedding(torch.autograd.Function):
@@ -467,9 +467,12 @@ class TiedEmbedding(torch.autograd.Function):
 CE_CHUNK_ROWS = 8192  # rows enough for efficient matmuls
 
 
-def linear_cross_entropy(x, weight, targets, chunk_rows=None):
-    """The mean cross-entropy of x @ weight.T against targets: x (N, d) hidden states, targets (N,)."""
-    return LinearCrossEntropy.apply(x, weight, targets, chunk_rows or CE_CHUNK_ROWS)
+def linear_cross_entropy(x, weight, targets, chunk_rows=None, n_valid=None):
+    """The mean cross-entropy of x @ weight.T against targets: x (N, d) hidden states, targets (N,). n_valid: the
+    output rows that are tokens (default: GPT-2's 50,257; the rest is padding, given no probability)."""
+    if n_valid is None:
+        n_valid = min(GPT2_VOCAB, weight.shape[0])
+    return LinearCrossEntropy.apply(x, weight, targets, chunk_rows or CE_CHUNK_ROWS, n_valid)
 
 
 # --- 5. each residual add fused with the LayerNorm after it: on an H100 the train step about 3% faster (1.026x and
@@ -1015,14 +1018,17 @@ def compile_model(model, cuda_graphs=False):
     return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
 
 
-def fully_shard_gpt(model, param_dtype=None):
-    """FSDP2 per block, then the whole model: one block's all-gather overlaps the block before it's compute."""
+def fully_shard_gpt(model, param_dtype=None, blocks=None):
+    """FSDP2 per block, then the whole model: one block's all-gather overlaps the block before it's compute.
+    blocks: the modules sharded one by one (default model.h, GPT's blocks)."""
     from torch.distributed import get_world_size
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(next(model.parameters()).device.type, (get_world_size(),))  # not FSDP2's default CUDA
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for block in model.h:
+    if blocks is None:
+        blocks = model.h
+    for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 

@@ -14,6 +14,7 @@ Contents, in the README's script order:
   7. ddp.py: all-reduce table, every wrapper, ZeRO and FSDP equal one process, bad input
   8. flash_triton.py: both autograd Functions against float64, plans, the grid, bad input
   9. the repository: each script copied with gpt.py alone runs; code style
+  10. leaderboard.py: the course's model written out, memory model, one and two ranks, bad input
   the runner: main()
 """
 
@@ -49,6 +50,7 @@ import bench_attention as ba
 import bench_e2e
 import ddp
 import gpt
+import leaderboard as lb
 import memory
 import precision
 
@@ -2584,6 +2586,7 @@ COPIES = {  # script: (what it needs beside gpt.py, its smallest CPU command her
     "precision.py": (DATA, "--device cpu --only formats,accumulate"),
     "ddp.py": ((), "allreduce --backend gloo --worlds 2 --sizes 0.001 --warmup 1 --iters 3"),
     "memory.py": ((), "parallel"),
+    "leaderboard.py": ((), "--device cpu --steps 1"),
 }
 
 
@@ -2707,6 +2710,125 @@ def test_signal_test_skipped_with_its_reason_where_sigint_is_ignored():
     assert p.returncode == 0 and lines[-1] == "0 passed, 0 failed", p.stdout + p.stderr
     assert "1 test(s) skipped" in lines[-2], lines
     assert f"SKIP {name}: SIGINT is ignored where the tests run" in p.stdout and "Traceback" not in p.stdout, p.stdout
+
+
+# --- 10. leaderboard.py: the course's model written out, the memory model, one and two ranks, bad input
+
+def course_forward(state, idx, heads, theta=10000.0, eps=1e-5):
+    """The course's BasicsTransformerLM written out plainly from its definition, on a state dict: RMSNorm in fp32,
+    RoPE over interleaved pairs written back as two halves, softmax attention under a causal mask, SwiGLU."""
+    def rmsnorm(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def linear(x, w):
+        return x @ w.t()
+
+    def rope(x):  # (B, H, T, D)
+        T, D = x.shape[-2:]
+        freqs = theta ** -(torch.arange(0, D, 2, dtype=torch.float64) / D)
+        angle = (torch.arange(T, dtype=torch.float64)[:, None] * freqs).to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat((angle.cos() * x1 - angle.sin() * x2, angle.sin() * x1 + angle.cos() * x2), dim=-1)
+
+    def attention(q, k, v):
+        T = q.shape[-2]
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        scores = torch.where(torch.ones(T, T, dtype=torch.bool).tril(), scores, float("-inf"))
+        weights = torch.exp(scores - scores.max(-1, keepdim=True).values)
+        return (weights / weights.sum(-1, keepdim=True)) @ v
+
+    x = state["token_embeddings.weight"][idx]
+    B, T, C = x.shape
+    layers = len({k.split(".")[1] for k in state if k.startswith("layers.")})
+    for i in range(layers):
+        p = {k.removeprefix(f"layers.{i}."): v for k, v in state.items() if k.startswith(f"layers.{i}.")}
+        h = rmsnorm(x, p["ln1.weight"])
+        q, k, v = (linear(h, p[f"attn.{n}_proj.weight"]).view(B, T, heads, C // heads).transpose(1, 2)
+                   for n in "qkv")
+        y = attention(rope(q), rope(k), v).transpose(1, 2).reshape(B, T, C)
+        x = x + linear(y, p["attn.output_proj.weight"])
+        h = rmsnorm(x, p["ln2.weight"])
+        gate = linear(h, p["ffn.w1.weight"])
+        x = x + linear(gate * torch.sigmoid(gate) * linear(h, p["ffn.w3.weight"]), p["ffn.w2.weight"])
+    return linear(rmsnorm(x, state["ln_final.weight"]), state["lm_head.weight"])
+
+def test_leaderboard_model_matches_the_course_and_learns():
+    """The same weights (norm gains perturbed from 1) give the course's logits to fp32 rounding, and the loss of
+    leaderboard.py's step (gpt.train_step: fused loss, AdamW) on the course's random batch falls, with or without
+    recompute, by the same values."""
+    s = lb.Sizes(layers=2, d_model=32, d_ff=88, heads=4, vocab=96, seq=24, batch=2)
+    torch.manual_seed(0)
+    model = lb.TransformerLM(s, gpt.ATTENTION["sdpa"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("ln1.weight") or name.endswith("ln2.weight") or name.startswith("ln_final"):
+                p.uniform_(0.5, 1.5)
+    idx = torch.randint(s.vocab, (2, s.seq))
+    with torch.no_grad():
+        got = model(idx)[0]
+        want = course_forward({k: v.double() for k, v in model.state_dict().items()}, idx, s.heads)
+    assert got.shape == (2, s.seq, s.vocab) and rel_err(got.double(), want) < 1e-5, rel_err(got.double(), want)
+    runs = []
+    for recompute in (0, 1):
+        model, optimizer, dtype = lb.build(s, "sdpa", recompute, False, 1, False, "cpu", 0, 3e-3)
+        x, y = lb.course_batch(s, 0, 1, "cpu", 0)
+        runs.append([gpt.train_step(model, optimizer, x, y, dtype).item() for _ in range(6)])
+    losses = runs[0]
+    assert losses == runs[1] and losses[-1] < losses[0] - 0.1 and abs(losses[0] - math.log(s.vocab)) < 1, runs
+
+def test_leaderboard_memory_model_counts_what_a_block_saves():
+    """saved_by_block = the bytes autograd saves in one block, fp32 and bf16 (FSDP's bf16 weights), on the CPU; at
+    the leaderboard's size on two 139.8 GiB GPUs the prediction refuses no recompute and takes --recompute 1."""
+    s = lb.Sizes(layers=1, d_model=64, d_ff=172, heads=4, vocab=128, seq=48, batch=3)
+    for dtype, width in ((torch.float32, 4), (torch.bfloat16, 2)):
+        model = lb.TransformerLM(s, gpt.ATTENTION["sdpa"]).to(dtype)
+        x = torch.randn(s.batch, s.seq, s.d_model, dtype=dtype, requires_grad=True)
+        block, cos, sin = model.layers[0], model.cos, model.sin
+        got = gpt.saved_tensor_bytes(lambda: block(x, cos, sin), exclude=[*model.parameters(), *model.buffers()])
+        assert got == lb.saved_by_block(s, s.batch * s.seq, width, width), (dtype, got)
+    verdicts = []
+    for extra in ([], ["--recompute", 1]):
+        out, _ = main_ok("leaderboard.py", "--predict", "--preset", "leaderboard", "--world", 2, "--gpu-gib", 139.8,
+                         *extra)
+        assert "8,125,698,048 parameters" in out and "predicted peak" in out, out
+        verdicts.append(out.strip().splitlines()[-1].split(": ")[-1])
+    assert verdicts == ["does not fit", "fits"], verdicts
+
+def test_leaderboard_runs_on_one_and_two_cpu_ranks_alike():
+    """python leaderboard.py at tiny size prints the memory table, the timer's table and ms per step; two gloo
+    ranks under torchrun (FSDP2 per block, half the batch each) lose what one process loses, rank 0 speaking."""
+    outs = []
+    for launch in ([], ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]):
+        p = run(*launch, "leaderboard.py", "--device", "cpu", "--recompute", 1, "--steps", 3, timeout=300)
+        outs.append(p.stdout)
+    for out in outs:
+        assert out.count("memory per rank, MiB") == 1 and out.count("gpt.time_rounds") == 2, out
+        assert out.strip().splitlines()[-1].startswith("summary: ") and "ms per step" in out, out
+    one, two = ([float(v) for v in out.split("(mean over ranks): ")[1].splitlines()[0].split()] for out in outs)
+    assert len(one) == 4 and one[-1] < one[0], one
+    torch.testing.assert_close(two, one, atol=2e-4, rtol=0)
+    assert "FSDP2 over 2 ranks" in outs[1] and "2 process(es)" in outs[1], outs[1]
+
+def test_leaderboard_bad_input():
+    """Each mistake exits 2 with one sentence, before any work; a step predicted not to fit is refused."""
+    check_bad_inputs("leaderboard.py", [
+        ("--device cpu --heads 5", "--d-model 64 is not divisible by --heads 5"),
+        ("--device cpu --d-model 12 --heads 4", "head dim 3 (d_model / heads) is odd"),
+        ("--device cpu --layers 0", "argument --layers: must be at least 1"),
+        ("--device cpu --seq -4", "argument --seq: must be at least 1"),
+        ("--device cpu --recompute 3", "--recompute 3 must be between 0 and the 2 layers"),
+        ("--device cpu --batch 3 --world 2 --predict", "--batch 3 does not split over 2 ranks"),
+        ("--device cpu --world 2", "--world is for --predict"),
+        ("--device cpu --attn triton", "--attn triton needs a CUDA GPU"),
+        ("--device cpu --bf16 --fp32", "not allowed with argument"),
+        ("--device tpu", "--device 'tpu' is not a device"),
+        ("--preset leaderboard --device cpu --gpu-gib 139.8", "GiB > 139.80 GiB per GPU; add --recompute 1 or more"),
+    ])
+    code, out, err = call_main("leaderboard.py", "--preset", "leaderboard", "--device", "cpu", "--gpu-gib", 139.8)
+    predicted = out.strip().splitlines()[-1].split(" of ")[0]  # the table's last line: "predicted X GiB of ..."
+    assert err.strip().splitlines() == [f"error: does not fit: {predicted} > "
+                                        "139.80 GiB per GPU; add --recompute 1 or more ranks"], (out, err)
+    assert "Traceback" not in err and code == 2
 
 
 def run_isolated(name, environment):
