@@ -5,9 +5,10 @@ train.py's headline (our Triton attention, fused biases, cuBLAS without a worksp
 summed in place, AdamW's own kernel, bf16 weights kept by the optimizer), then a lever on the headline (FP8 forced
 onto every block Linear), all rungs in the same rounds of gpt.py's timer (paired ratios); --rungs times a few.
 --nanogpt times nanoGPT's model.py against the headline the same way (under torchrun: both data parallel, each
-beside its one-GPU step). The sweep splits a step into forward, backward and optimizer by model, batch, context and
-vocabulary; --warmup-table shows what the first steps pay for; --profile groups the step's kernels and sets each
-group against its limit; --nvtx names the phases for Nsight Systems.
+beside its one-GPU step). The sweep splits a step into forward, backward and optimizer by model, batch, context,
+vocabulary, precision and compile mode (--precisions, --compile-modes: each against the first, paired);
+--warmup-table shows what the first steps pay for; --profile groups each configuration's kernels and sets each
+group against its limit, then sums them up a row each; --nvtx names the phases for Nsight Systems.
 
     python bench_e2e.py --ladder --plot ladder.png
     python bench_e2e.py --ladder --rungs 14,15,16   # the rung before the headline, it, and its FP8 lever
@@ -17,6 +18,11 @@ group against its limit; --nvtx names the phases for Nsight Systems.
     python bench_e2e.py --model small --batch 4 --seq 512 --warmup-table
     python bench_e2e.py --model gpt2 --batch 16 --seq 1024 --vocab 50304 --bf16 --compile --mode train --profile
     python bench_e2e.py ... --profile --attn triton    # the same with the headline's attention (--attn: sdpa)
+    # CS336 a2 (the course's xl is our 2.7B): every size x context profiled (a trace each), then fp32 against bf16,
+    # eager against compiled, each mode
+    python bench_e2e.py --model small,medium,large,2.7B --seq 128,256,512,1024 --batch 4 --attn naive --trace e2e.json
+    python bench_e2e.py --model small,medium,large,2.7B --seq 128,256,512,1024 --batch 4 --precisions fp32,bf16
+    python bench_e2e.py --model small,medium,large,2.7B --seq 128,256,512,1024 --batch 4 --compile-modes eager,compiled
     nsys profile --trace=cuda,nvtx -o e2e python bench_e2e.py --nvtx --attn naive --batch 4 --rounds 2 --steps 1
 """
 
@@ -32,12 +38,13 @@ from itertools import product
 import torch
 
 import gpt  # gpt.NVTX: the switch --nvtx sets
-from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, PRESETS, GPTConfig, GraphedStep,
-                 MasterWeights, amp_dtype, autocast, average_gradients, check_host_memory, check_output_path, clock,
-                 compile_model, configure_optimizer, elapsed_ms, fail, flash_triton_found, flops_per_token, fmt_mfu,
-                 fp8_supported, free_memory, gib, gpu_peak_flops, int_in, int_list, is_oom, lazily, make_config, mfu,
-                 nvtx_range, on_device, plot_path, plot_to, print_table, resolve_device, run_main,
-                 set_cublas_workspace, set_tf32, step_bytes, summarize, synchronize, time_rounds, train_step, use_fp8)
+from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, PRESETS, PROGRESS, GPTConfig,
+                 GraphedStep, MasterWeights, amp_dtype, autocast, average_gradients, check_host_memory,
+                 check_output_path, clock, compile_model, configure_optimizer, elapsed_ms, fail, flash_triton_found,
+                 flops_per_token, fmt_mfu, fp8_supported, free_memory, gib, gpu_peak_flops, int_in, int_list, is_oom,
+                 lazily, make_config, mfu, name_list, nvtx_range, on_device, plot_path, plot_to, print_table,
+                 resolve_device, run_main, set_cublas_workspace, set_tf32, step_bytes, summarize, synchronize,
+                 time_rounds, train_step, use_fp8)
 
 # --- 1. the speed ladder: one change per rung, on top of everything above it
 HEADLINE = "+ bf16 weights kept by the optimizer"  # = python train.py --vocab 50304 --bf16 --compile (on a GPU)
@@ -111,10 +118,15 @@ class Plan:
     rounds: int = 3
     steps: int = 1
     warmup: int = 1
-    dtype: torch.dtype = None
+    precisions: tuple = ("fp32",)  # of PRECISIONS: every cell runs in each (--precisions, or --bf16 / --fp16)
+    compiles: tuple = ("eager",)  # of COMPILE_MODES (--compile-modes, or --compile)
     tf32: bool = False
     attn: str = "sdpa"
-    compile: bool = False
+
+    @property
+    def variants(self):
+        """[(precision, compile mode)]: what every cell of the sweep runs as, the first the baseline."""
+        return list(product(self.precisions, self.compiles))
 
 def build(config, s, device):
     config = replace(config, vocab_size=s["vocab"], attn=s["attn"], fused_ce=s["fused_ce"],
@@ -459,8 +471,10 @@ def run_nanogpt(path, module, config, B, T, device, plan, rank=0, world=1):
             f"{speedup(times, base, spans[base][1], work=world)} (nanoGPT + DDP) of its step on {ranks_text(1, gpu)}")
 
 
-# --- 3. the sweep: forward / forward+backward / train step by model, vocab, batch and context
+# --- 3. the sweep: forward / forward+backward / train step by model, vocab, batch, context, precision and compile
 MODES = ("forward", "forward-backward", "train")
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --precisions NAME: autocast's dtype
+COMPILE_MODES = ("eager", "compiled")
 
 def mode_flops(config, T, mode):
     # the forward does 2 of the 6 per matmul parameter, plus the output layer's backward (4) when fused
@@ -469,46 +483,68 @@ def mode_flops(config, T, mode):
         return train
     return train / 3 + (4 * config.vocab_size * config.n_embd if config.fused_ce else 0)
 
+def cell_name(name, vocab, B, T, precision, compile_mode):  # one configuration, as every table and note names it
+    return f"{name} V={vocab} B={B} T={T} {precision} {compile_mode}"
+
 def sweep_step(benches, config, s, mode, B, T, device):
-    """A cell's step: the first cell of a vocabulary builds the model that its other cells share."""
-    if s["vocab"] not in benches:
-        benches[s["vocab"]] = build(config, s, device)
-    return partial(run_step, mode, benches[s["vocab"]], *batch_of(B, T, device))
+    """A cell's step: the first cell of a vocabulary and precision builds the model its other cells share, eager and
+    compiled alike (a compiled cell calls the same model through torch.compile: one model's memory, not two)."""
+    key = (s["vocab"], s["dtype"])
+    if key not in benches:
+        benches[key] = build(config, {**s, "compile": False}, device)
+    bench = benches[key]
+    if s["compile"]:  # Dynamo caches its graphs by the model's code: each cell's wrapper reuses them
+        bench = replace(bench, runner=compile_model(bench.model))
+    return partial(run_step, mode, bench, *batch_of(B, T, device))
 
-def held_by(benches, vocab):  # bytes the model of this vocabulary keeps, for gpt.lazily
-    return held_bytes(benches.get(vocab))
+def held_by(benches, key):  # bytes the model of this (vocabulary, dtype) keeps, for gpt.lazily
+    return held_bytes(benches.get(key))
 
-def flag_settings(plan, vocab):
-    """The sweep's, warm-up table's and profile's step: train.py's with these flags (fused loss, norms, biases on)."""
-    return {**FIRST_RUNG, "tf32": plan.tf32, "dtype": plan.dtype, "attn": plan.attn, "vocab": vocab,
-            "compile": plan.compile, "fused_ce": True, "fused_norms": True, "fused_bias": True,
+def flag_settings(plan, vocab, variant):
+    """The sweep's, warm-up table's and profile's step: train.py's with these flags (fused loss, norms, biases on),
+    in one variant: (precision, compile mode)."""
+    precision, compile_mode = variant
+    dtype = PRECISIONS[precision]
+    return {**FIRST_RUNG, "tf32": plan.tf32, "dtype": dtype, "attn": plan.attn, "vocab": vocab,
+            "compile": compile_mode == "compiled", "fused_ce": True, "fused_norms": True, "fused_bias": True,
             "cublas_workspace": False, "embedding_into_dw": True, "adamw_kernel": True,
-            "master": plan.dtype == torch.bfloat16}  # as train.py --bf16 in one process
+            "master": dtype == torch.bfloat16}  # as train.py --bf16 in one process
 
 def sweep_cells(name, config, plan, device):
-    """{(vocab, batch, seq, mode): variant}, one model per vocabulary shared by its cells. Train cells warm up
-    first, so AdamW's state exists and every cell's peak counts it. Without warm-up every model is built here,
-    before the timer starts: the first round pays for the rest (allocation, compilation)."""
+    """{(vocab, batch, seq, precision, compile mode, mode): variant}, one model per vocabulary and precision shared
+    by its cells. Train cells warm up first, so AdamW's state exists and every cell's peak counts it. Without
+    warm-up every model is built here, before the timer starts: the first round pays for the rest (allocation,
+    compilation)."""
     benches, variants = {}, {}
-    for vocab, B, T, mode in product(plan.vocab, plan.batch, plan.seq, sorted(plan.modes, key="train".__ne__)):
-        s = flag_settings(plan, vocab)
+    train_first = sorted(plan.modes, key="train".__ne__)
+    for vocab, B, T, variant, mode in product(plan.vocab, plan.batch, plan.seq, plan.variants, train_first):
+        s = flag_settings(plan, vocab, variant)
         make = partial(sweep_step, benches, config, s, mode, B, T, device)
+        key = (vocab, B, T, *variant, mode)
         if plan.warmup == 0:
-            variants[(vocab, B, T, mode)] = make()
+            variants[key] = make()
             continue
-        note = f"  {name} V={vocab} B={B} T={T} {mode}"
-        if plan.compile:
+        note = f"  {cell_name(name, vocab, B, T, *variant)} {mode}"
+        if s["compile"]:
             note += " (compiling...)"
-        variants[(vocab, B, T, mode)] = lazily(make, device, held=partial(held_by, benches, vocab), note=note)
+        variants[key] = lazily(make, device, held=partial(held_by, benches, (vocab, s["dtype"])), note=note)
     return variants
+
+def fresh_compiler(plan):
+    """Before each model: Dynamo's caches emptied (another model's graphs are of no use), one graph per shape (no
+    dynamic-shape kernels), and room for every shape and precision (past the limit Dynamo runs eager, silently)."""
+    if "compiled" not in plan.compiles:
+        return
+    torch._dynamo.reset()
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    shapes = len(plan.vocab) * len(plan.batch) * len(plan.seq) * len(plan.precisions)
+    torch._dynamo.config.recompile_limit = max(8, shapes)
 
 def run_sweep(plan, configs, device):
     """One gpt.time_rounds per model: its cells' speed-ups are paired."""
-    if plan.compile:  # one graph per shape (no dynamic-shape kernels), enough cache for all shapes
-        torch._dynamo.config.automatic_dynamic_shapes = False
-        torch._dynamo.config.recompile_limit = max(8, len(plan.vocab) * len(plan.batch) * len(plan.seq))
     results = []
     for name, config in configs:
+        fresh_compiler(plan)
         variants = sweep_cells(name, config, plan, device)
         print(f"{name}: timing {len(variants)} cells together", file=sys.stderr, flush=True)
         times, peaks = timed(variants, device, plan)
@@ -517,49 +553,85 @@ def run_sweep(plan, configs, device):
         free_memory()
     return results
 
+def sweep_line(configs, plan, profiled):
+    """The sweep's size, said before it starts; with --profile, how many configurations follow."""
+    sizes = {"model": len(configs), "vocab": len(plan.vocab), "batch": len(plan.batch), "seq": len(plan.seq),
+             "precision": len(plan.precisions), "compile": len(plan.compiles), "mode": len(plan.modes)}
+    cells = 1
+    for n in sizes.values():
+        cells *= n
+    line = f"sweep: {cells} cells ({' x '.join(f'{what} {n}' for what, n in sizes.items())})"
+    if profiled:
+        line += f", then {cells // len(plan.modes)} configurations profiled (every mode of each)"
+    return line
+
 def print_sweep(plan, results, device):
     base = (plan.vocab[0], plan.batch[0], plan.seq[0])
-    headers = ["model", "vocab", "batch", "seq", "mode", "ms/step, median (min-max)", "ms/step, mean ± std",
-               "tokens/s", "MFU", "peak alloc (GiB)", f"speed-up vs V={base[0]} B={base[1]} T={base[2]}"]
+    headers = ["model", "vocab", "batch", "seq", "precision", "compile", "mode", "ms/step, median (min-max)",
+               "ms/step, mean ± std", "tokens/s", "MFU", "peak alloc (GiB)",
+               f"speed-up vs V={base[0]} B={base[1]} T={base[2]}"]
     table, split, done = [], [], []
     for name, times, stats in results:
         config = make_config(name)
-        for key in product(plan.vocab, plan.batch, plan.seq, plan.modes):
-            vocab, B, T, mode = key
-            t, first = stats[key], (*base, mode)
+        for vocab, B, T, variant, mode in product(plan.vocab, plan.batch, plan.seq, plan.variants, plan.modes):
+            key, first = (vocab, B, T, *variant, mode), (*base, *variant, mode)
+            t, cells = stats[key], [name, vocab, B, T, *variant, mode]
             if t is None:
-                table.append([name, vocab, B, T, mode, "OOM", "OOM", "OOM", "n/a", "OOM", "n/a"])
+                table.append([*cells, "OOM", "OOM", "OOM", "n/a", "OOM", "n/a"])
                 continue
             tok_s = B * T / (t.median / 1e3)
-            done.append((tok_s, mode, f"{name} V={vocab} B={B} T={T}"))
+            done.append((tok_s, mode, cell_name(name, vocab, B, T, *variant)))
             flops = mode_flops(config, T, mode) * tok_s  # useful work: padding is not counted
             # the speed-up is in tokens per second: per round, (B*T / ms) over the first cell's
-            table.append([name, vocab, B, T, mode, t.ms(), t.mean_std(), f"{tok_s:,.0f}", fmt_mfu(mfu(flops, device)),
+            table.append([*cells, t.ms(), t.mean_std(), f"{tok_s:,.0f}", fmt_mfu(mfu(flops, device)),
                           "n/a" if t.peak is None else gib(t.peak),
                           "-" if key == first else speedup(times, key, first, B * T / (base[1] * base[2]))])
             if mode == "train" and len(plan.modes) == 3:
-                split.append([f"{name} V={vocab} B={B} T={T}", *step_split(times, vocab, B, T)])
+                split.append([cell_name(name, vocab, B, T, *variant), *step_split(times, key[:-1])])
     print(f"\nsweep, {plan.rounds} rounds of {plan.steps} steps per cell after {plan.warmup} warm-up steps "
-          "(speed-up: tokens/s over the first cell of the same mode, paired per round)")
+          "(speed-up: tokens/s over the first shape's cell of the same variant and mode, paired per round)")
     print_table(headers, table)
     if split:
         print("\nwhere a train step's time goes (paired per round: backward = forward-backward - forward, "
               "optimizer = train - forward-backward; the fused linear-CE computes the output layer's "
               "gradients in the forward)")
         print_table(["config", "forward ms", "backward ms", "optimizer ms", "train step ms"], split)
+    if len(plan.variants) > 1:
+        print_variants(plan, results)
     if not done:
         return f"every one of {len(table)} cells ran out of memory"
     tok_s, mode, cell = max(done, key=lambda d: (MODES.index(d[1]), d[0]))
     return f"best {mode} throughput: {tok_s:,.0f} tokens/s ({cell}); {len(table) - len(done)} OOM"
 
-def step_split(times, vocab, B, T):
-    """Median over rounds of forward, backward and optimizer, from the three modes' times in each round."""
-    f, fb, tr = (times.get((vocab, B, T, m)) for m in MODES)
+def step_split(times, cell):
+    """Median over rounds of forward, backward and optimizer, from the three modes' times in each round; cell:
+    (vocab, batch, seq, precision, compile mode)."""
+    f, fb, tr = (times.get((*cell, m)) for m in MODES)
     if None in (f, fb, tr):
         return ["n/a"] * 4
     parts = [f, [b - a for a, b in zip(f, fb)], [c - b for b, c in zip(fb, tr)]]
     total = statistics.median(tr)
     return [f"{statistics.median(p):.2f} ({100 * statistics.median(p) / total:.0f}%)" for p in parts] + [f"{total:.2f}"]
+
+def print_variants(plan, results):
+    """The course's fp32 against bf16 and eager against compiled: each variant against the first, shape by shape and
+    mode by mode, in the same rounds (the speed-up: the first's ms over its own, median (min-max) of the rounds)."""
+    base = plan.variants[0]
+    headers = ["model", "vocab", "batch", "seq", "precision", "compile"]
+    for mode in plan.modes:
+        headers += [f"{mode} ms", f"{mode} speed-up"]
+    rows = []
+    for name, times, stats in results:
+        for vocab, B, T, variant in product(plan.vocab, plan.batch, plan.seq, plan.variants):
+            row = [name, vocab, B, T, *variant]
+            for mode in plan.modes:
+                key, first = (vocab, B, T, *variant, mode), (vocab, B, T, *base, mode)
+                row.append("OOM" if stats[key] is None else f"{stats[key].median:.2f}")
+                row.append("-" if variant == base else speedup(times, key, first))
+            rows.append(row)
+    print(f"\nprecision and compile: every variant against {' '.join(base)}, median ms a step and the speed-up "
+          "(paired per round: median (min-max) of its ratios)")
+    print_table(headers, rows)
 
 
 # --- 4. the warm-up table: what a model's first steps pay for, and how many warm-up steps to skip
@@ -591,7 +663,7 @@ def warmup_row(config, s, mode, warmup, settled, x, y, device):
 
 def run_warmup_table(name, config, plan, settled, device):
     B, T, cuda = plan.batch[0], plan.seq[0], device.type == "cuda"
-    s = flag_settings(plan, plan.vocab[0])
+    s = flag_settings(plan, plan.vocab[0], plan.variants[0])  # one variant: checked with the flags
     x, y = batch_of(B, T, device)
     # once a process: a throwaway eager model's first steps (CUDA context, cuBLAS/cuDNN handles and plans, kernels
     # loaded at first use), so that the rows below show what each new model pays
@@ -611,7 +683,7 @@ def run_warmup_table(name, config, plan, settled, device):
           f"{first[1]:.2f} ms")
     print_table(["mode", "warm-up steps", *[f"step {i + 1} (ms)" for i in range(FIRST_STEPS)],
                  "settled (ms), mean ± std", "step 1 / settled"], rows)
-    print(first_steps_pay_for(cuda, plan.compile))
+    print(first_steps_pay_for(cuda, s["compile"]))
     return "warm-up table: step 1 without warm-up takes " + ", ".join(
         f"{ratios[(m, 0)]:.2f}x ({m})" for m in plan.modes) + " a settled step; " + needed_warmup(ratios, plan.modes)
 
@@ -758,9 +830,10 @@ def copy_bandwidth(device):
     ms = statistics.median(time_rounds({"copy": lambda: b.copy_(a)}, device, rounds=10, steps=5)[0]["copy"])
     return 2 * a.nbytes / (ms / 1e3)
 
-def naive_attention_rows(prof, config, B, T, steps, cuda):
-    """Forward only (gpt.naive_attention's ranges). The softmax does few FLOPs but reads and writes the whole
-    (T, T) matrix: memory-bound, its time share far exceeds its FLOP share."""
+def naive_attention_rows(prof, config, B, T, steps, cuda, dtype):
+    """Forward only (gpt.naive_attention's ranges), each stage against its work: the two matmuls at the TFLOP/s
+    they reach; the softmax does few FLOPs but reads and writes the whole (T, T) matrix, memory-bound, so at the
+    GB/s it moves. Its time share far exceeds its FLOP share."""
     times = {}
     for e in prof.key_averages():
         if e.key in NAIVE_RANGES and e.device_type == torch.autograd.DeviceType.CPU:
@@ -771,9 +844,23 @@ def naive_attention_rows(prof, config, B, T, steps, cuda):
     head = config.n_embd // config.n_head
     # matmuls: 2 FLOPs per multiply-add, scores also scaled and masked (2 per element); softmax 5 per element
     flops = {"attention scores": scores * (2 * head + 2), "softmax": 5 * scores, "final matmul": 2 * scores * head}
+    size = torch.finfo(dtype or torch.float32).bits // 8  # the scores' bytes an element
+    # the softmax reads the scores once and writes the probabilities once: in fp32 on a GPU (autocast runs the
+    # softmax in fp32), in the scores' dtype on the CPU
+    softmax_bytes = scores * (size + (4 if cuda else size))
     t_all, f_all = sum(times.values()) or 1, sum(flops.values())
-    return [[k, f"{times[k] / 1e3 / steps:.3f}", f"{100 * times[k] / t_all:.1f}%", f"{flops[k] / 1e9:.3g}",
-             f"{100 * flops[k] / f_all:.2f}%", f"{(times[k] / t_all) / (flops[k] / f_all):.1f}"] for k in NAIVE_RANGES]
+    rows = []
+    for k in NAIVE_RANGES:
+        seconds = times[k] / 1e6 / steps  # a step's
+        achieved = "n/a"  # a range the clock saw no time in
+        if seconds and k == "softmax":
+            achieved = f"{softmax_bytes / seconds / 1e9:,.1f} GB/s"
+        elif seconds:
+            achieved = f"{flops[k] / seconds / 1e12:.3g} TFLOP/s"
+        rows.append([k, f"{times[k] / 1e3 / steps:.3f}", f"{flops[k] / 1e9:.3g}", achieved,
+                     f"{100 * times[k] / t_all:.1f}%", f"{100 * flops[k] / f_all:.2f}%",
+                     f"{(times[k] / t_all) / (flops[k] / f_all):.1f}"])
+    return rows
 
 def profile_steps(bench, B, T, device, warmup, steps):
     from torch.profiler import ProfilerActivity, profile
@@ -785,7 +872,7 @@ def profile_steps(bench, B, T, device, warmup, steps):
         run_step("train", bench, x, y)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     profs = {}
-    for mode in ("forward", "train"):
+    for mode in MODES:  # train last: its wall time is the step's
         with profile(activities=activities) as profs[mode]:
             synchronize(device)
             start = clock(device)
@@ -796,11 +883,10 @@ def profile_steps(bench, B, T, device, warmup, steps):
         profs["wall_ms"] = elapsed_ms(start, end) / steps  # (the train steps', recorded last)
     return profs
 
-def print_groups(groups, wall_ms, bench, B, T, steps, device):
+def print_groups(groups, wall_ms, bench, B, T, steps, device, bandwidth):
     """The train step by group against each group's limit here (FLOPs at the bf16 peak, bytes at the copy
-    bandwidth). Idle: the step's wall time no kernel filled (the GPU waiting for the CPU)."""
+    bandwidth, None on the CPU). Idle: the step's wall time no kernel filled (the GPU waiting for the CPU)."""
     peak, cuda = gpu_peak_flops(device), device.type == "cuda"
-    bandwidth = copy_bandwidth(device) if cuda else None
     floors, busy = group_floors(bench.config, B, T, bench.config.fused_ce), sum(groups.values()) / 1e3 / steps
     rows = []
     for group in GROUPS:
@@ -836,31 +922,107 @@ def idle_gaps(prof, steps, long_us=20.0):
         busy_until = max(busy_until, end)
     return short / 1e3 / steps, long / 1e3 / steps, count / steps
 
-def print_profile(profs, bench, B, T, steps, device, trace):
+def top_kernel(ks, steps):
+    """A profile's summary cells: its top kernel (or CPU op), calls a step, its share, the share of all but matmuls."""
+    if not ks:
+        return ["n/a"] * 4
+    total = sum(us for _, _, us in ks)
+    name, calls, us = ks[0]
+    other = sum(us for n, _, us in ks if category(n) != "matmul")
+    return [name[:48], f"{calls / steps:g}", f"{100 * us / total:.1f}%", f"{100 * other / total:.1f}%"]
+
+def print_profile(profs, bench, B, T, steps, device, trace, bandwidth, top=10):
+    """One configuration's tables (its top kernels, the train step by group, naive attention's stages) and trace;
+    returns its cells of the summary."""
     cuda, kind = device.type == "cuda", "kernels" if device.type == "cuda" else "CPU ops"
-    for title, prof in ((f"forward {kind}", profs["forward"]),
-                        (f"train step {kind} (forward, backward, AdamW)", profs["train"])):
-        ks = kernel_times(prof, cuda)
-        total = sum(k[2] for k in ks) or 1
-        print(f"\n{title}: top 10 of {len(ks)}, {total / 1e3 / steps:.2f} ms per step in all")
+    ks = {mode: kernel_times(profs[mode], cuda) for mode in MODES}
+    total = {mode: sum(us for _, _, us in ks[mode]) or 1 for mode in MODES}  # us in all its steps
+    for title, mode in ((f"forward {kind}", "forward"), (f"train step {kind} (forward, backward, AdamW)", "train")):
+        print(f"\n{title}: top {top} of {len(ks[mode])}, {total[mode] / 1e3 / steps:.2f} ms per step in all")
         print_table(["name", "calls/step", "ms/step", "share"],
-                    [[n[:80], f"{c / steps:g}", f"{us / 1e3 / steps:.3f}", f"{100 * us / total:.1f}%"]
-                     for n, c, us in ks[:10]])
-    print_groups(category_times(profs["train"], cuda), profs["wall_ms"], bench, B, T, steps, device)
+                    [[n[:80], f"{c / steps:g}", f"{us / 1e3 / steps:.3f}", f"{100 * us / total[mode]:.1f}%"]
+                     for n, c, us in ks[mode][:top]])
+    print_groups(category_times(profs["train"], cuda), profs["wall_ms"], bench, B, T, steps, device, bandwidth)
     if cuda:
         short, long, count = idle_gaps(profs["train"], steps)
         print(f"idle between kernels: {short:.2f} ms a step in gaps under 20 us (launch latency), {long:.2f} ms in "
               f"{count:g} longer gaps a step (the GPU waiting for the CPU)")
     if bench.config.attn == "naive":
-        rows = naive_attention_rows(profs["forward"], bench.config, B, T, steps, cuda)
-        print(f"\nnaive attention, forward, all {bench.config.n_layer} layers")
+        rows = naive_attention_rows(profs["forward"], bench.config, B, T, steps, cuda, bench.dtype)
+        print(f"\nnaive attention, forward, all {bench.config.n_layer} layers: each stage's time against its work")
         if rows is None:
             print("(the record_function ranges were not recorded: compiled model)")
         else:
-            print_table(["stage", "ms/step", "time share", "GFLOP/step", "FLOP share", "time share / FLOP share"], rows)
+            print_table(["stage", "ms/step", "GFLOP/step", "achieved", "time share", "FLOP share",
+                         "time share / FLOP share"], rows)
     if trace:
         profs["train"].export_chrome_trace(trace)
         print(f"\nwrote the train-step trace to {trace} (open it in ui.perfetto.dev or chrome://tracing)")
+    forward, backward = total["forward"], total["forward-backward"] - total["forward"]
+    return [*top_kernel(ks["forward"], steps), *top_kernel(ks["train"], steps), f"{forward / 1e3 / steps:.2f}",
+            f"{backward / 1e3 / steps:.2f}"]
+
+def profile_configs(configs, plan):
+    """[(name, config, (vocab, batch, seq, precision, compile mode))]: every configuration of the sweep, in order."""
+    return [(name, config, (vocab, B, T, *variant)) for (name, config), vocab, B, T, variant
+            in product(configs, plan.vocab, plan.batch, plan.seq, plan.variants)]
+
+def trace_paths(path, configs, plan):
+    """A trace file per profile_configs: PATH for one configuration; for several, PATH with the model's name and each
+    value the sweep varies (e2e.json -> e2e_small_T512.json)."""
+    todo = profile_configs(configs, plan)
+    if len(todo) == 1:
+        return [path]
+    stem, ext = os.path.splitext(path)
+    varies = [len(values) > 1 for values in (plan.vocab, plan.batch, plan.seq, plan.precisions, plan.compiles)]
+    paths = []
+    for name, _, cell in todo:
+        parts = [f"{tag}{value}" for tag, value, shown in zip(("V", "B", "T", "", ""), cell, varies) if shown]
+        paths.append("_".join([stem, name, *parts]) + ext)
+    return paths
+
+def run_profile(name, config, cell, plan, device, trace, bandwidth, top):
+    """One configuration's profile: its model built afresh, warmed up (compiled), then each mode recorded."""
+    vocab, B, T, precision, compile_mode = cell
+    s = flag_settings(plan, vocab, (precision, compile_mode))
+    what = "CPU time of each op (no GPU: ops, not kernels)"
+    if device.type == "cuda":
+        what = "GPU kernel time"
+    print(f"\nprofile of {cell_name(name, *cell)}, {plan.steps} steps of each mode: {what}")
+    fresh_compiler(plan)
+    if s["compile"]:
+        print(f"  {cell_name(name, *cell)}: compiling...", file=sys.stderr, flush=True)
+    bench = build(config, s, device)
+    profs = profile_steps(bench, B, T, device, plan.warmup, plan.steps)
+    return print_profile(profs, bench, B, T, plan.steps, device, trace, bandwidth, top)
+
+def run_profiles(configs, plan, device, traces):
+    """Every configuration's profile, one after another, then the summary table: a row each (OOM: said in its row,
+    and the next goes on)."""
+    todo = profile_configs(configs, plan)
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None  # the memory roof, measured once
+    top = 10 if len(todo) == 1 else 5  # several configurations: shorter tables, the summary compares them
+    unit = "kernel" if device.type == "cuda" else "op"
+    headers = ["configuration", f"forward: top {unit}", "calls/step", "its share", "non-matmul share",
+               f"train step: top {unit}", "calls/step", "its share", "non-matmul share", "forward ms", "backward ms"]
+    rows = []
+    for i, ((name, config, cell), trace) in enumerate(zip(todo, traces)):
+        PROGRESS["stage"] = f"profile {i + 1} of {len(todo)} ({cell_name(name, *cell)})"  # said if interrupted
+        row = None
+        try:
+            row = run_profile(name, config, cell, plan, device, trace, bandwidth, top)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_oom(e):
+                raise
+        if row is None:
+            print(f"\n{cell_name(name, *cell)}: out of memory (OOM); the next configuration goes on")
+            row = ["OOM"] + ["-"] * (len(headers) - 2)
+        rows.append([cell_name(name, *cell), *row])
+        free_memory()  # outside the except block, whose traceback held the tensors
+    PROGRESS["stage"] = ""
+    print(f"\nprofile summary, a row per configuration: {unit} time ({unit}s' own, summed) in {plan.steps} steps of "
+          f"each mode; shares of the mode's {unit} time; backward = forward-backward less forward")
+    print_table(headers, rows)
 
 
 # --- 7. command line
@@ -899,9 +1061,16 @@ def parse_args(argv):
     p.add_argument("--fp16", action="store_true", help="fp16 autocast with a GradScaler")
     p.add_argument("--compile", action="store_true", help="gpt.compile_model (without CUDA graphs: a forward-only "
                    "step would leave a graph's backward pending)")
+    p.add_argument("--precisions", type=name_list(PRECISIONS, "precision"), help="comma list of fp32, bf16, fp16: "
+                   "every cell in each, in the same rounds, and a table of each against the first (instead of "
+                   "--bf16 / --fp16)")
+    p.add_argument("--compile-modes", type=name_list(COMPILE_MODES, "compile mode"), help="comma list of eager, "
+                   "compiled: as --precisions, eager against compiled (instead of --compile)")
     p.add_argument("--attn", default="sdpa", choices=ATTENTION)
-    p.add_argument("--profile", action="store_true", help="torch.profiler view of the first configuration")
-    p.add_argument("--trace", help="write the profiled train steps as a Chrome/Perfetto trace (implies --profile)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler view of every configuration of the sweep, "
+                   "then a summary table with a row each")
+    p.add_argument("--trace", help="write each profiled configuration's train steps as a Chrome/Perfetto trace "
+                   "(implies --profile; several configurations: e2e.json -> e2e_small_T512.json, ...)")
     p.add_argument("--nvtx", action="store_true", help="NVTX ranges (forward, backward, optimizer step; naive "
                    "attention's stages) for nsys profile --trace=cuda,nvtx; CUDA only, ignored on the CPU")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if present)")
@@ -910,10 +1079,18 @@ def parse_args(argv):
 def check_combinations(args, n_models, cpu):
     """Flags that do not go together, refused before any model is built."""
     single = n_models == 1 and len(args.batch or [1]) == 1 and len(args.seq or [1]) == 1
+    variants = len(args.precisions or [1]) * len(args.compile_modes or [1])
     tuned = (args.profile or args.trace or args.mode or args.compile or args.bf16 or args.fp16 or args.tf32
-             or args.vocab or args.attn != "sdpa")
-    if args.fp16 and cpu:
-        fail("--fp16 needs a CUDA GPU (its GradScaler); use --bf16 on the CPU")
+             or args.vocab or args.attn != "sdpa" or args.precisions or args.compile_modes)
+    for flag, names in (("--precisions", args.precisions), ("--compile-modes", args.compile_modes)):
+        if names and len(set(names)) < len(names):
+            fail(f"{flag} {','.join(names)} names one twice")
+    if args.precisions and (args.bf16 or args.fp16):
+        fail("--precisions lists the precisions to run; drop --bf16 and --fp16")
+    if args.compile_modes and args.compile:
+        fail("--compile-modes lists eager and/or compiled; drop --compile")
+    if cpu and (args.fp16 or "fp16" in (args.precisions or [])):
+        fail("fp16 (--fp16, --precisions fp16) needs a CUDA GPU (its GradScaler); use bf16 on the CPU")
     if cpu and args.attn in GPU_ONLY_ATTENTION:
         fail(f"--attn {args.attn} needs a CUDA GPU")
     if args.ladder and not single:
@@ -932,8 +1109,9 @@ def check_combinations(args, n_models, cpu):
     if (args.ladder or args.nanogpt) and args.warmup == 0:
         fail("--ladder and --nanogpt build (and compile) each variant in its first warm-up step: --warmup 1 or more")
     if args.warmup_table and (args.ladder or args.nanogpt or args.profile or args.trace or not single
-                              or len(args.vocab or [1]) > 1):
-        fail("--warmup-table times one --model, --batch, --seq and --vocab; drop --ladder, --nanogpt and --profile")
+                              or len(args.vocab or [1]) > 1 or variants > 1):
+        fail("--warmup-table times one --model, --batch, --seq, --vocab, precision and compile mode; drop --ladder, "
+             "--nanogpt and --profile")
     if args.warmup_table and (args.warmup is not None or args.rounds is not None):
         fail("--warmup-table times 0, 1 and 2 warm-up steps itself, a step at a time; drop --warmup and --rounds")
     needs_flash = args.attn == "triton" or (args.nanogpt and not cpu)  # on a GPU the headline's attention is ours
@@ -955,6 +1133,7 @@ def settings(args, device):
         dtype = amp_dtype(args.bf16, args.fp16)
     except ValueError as e:
         fail(str(e))
+    precision = [name for name, d in PRECISIONS.items() if d == dtype]  # --bf16, --fp16 or neither
     check_combinations(args, len(names), cpu)
     block = min(c.block_size for _, c in configs)
     seq = args.seq or [min(block, on_device(device, cpu=64, gpu=gpu_seq))]
@@ -972,7 +1151,8 @@ def settings(args, device):
     plan = Plan(batch=args.batch or [on_device(device, cpu=2, gpu=gpu_batch)], seq=seq,
                 vocab=args.vocab or [GPT2_VOCAB], modes=modes,
                 rounds=args.rounds or on_device(device, cpu=3, gpu=gpu_rounds), steps=steps, warmup=warmup,
-                dtype=dtype, tf32=args.tf32, attn=args.attn, compile=args.compile)
+                precisions=tuple(args.precisions or precision), tf32=args.tf32, attn=args.attn,
+                compiles=tuple(args.compile_modes or ["compiled" if args.compile else "eager"]))
     if cpu:  # the largest configuration as the ladder's first rung runs it: fp32, all the logits
         B, T = max(plan.batch), max(plan.seq)
         check_host_memory(max(step_bytes(replace(c, vocab_size=max(plan.vocab), fused_ce=False), B, T, False)
@@ -1011,16 +1191,6 @@ def start_ranks(device):
     dist.init_process_group("nccl", device_id=device)
     return device
 
-def run_profile(name, config, plan, device, trace):
-    bench = build(config, flag_settings(plan, plan.vocab[0]), device)
-    B, T = plan.batch[0], plan.seq[0]
-    what = "CPU time of each op (no GPU: ops, not kernels)"
-    if device.type == "cuda":
-        what = "GPU kernel time"
-    print(f"\nprofile of {name} V={plan.vocab[0]} B={B} T={T}, {plan.steps} steps each: {what}")
-    profs = profile_steps(bench, B, T, device, plan.warmup, plan.steps)
-    print_profile(profs, bench, B, T, plan.steps, device, trace)
-
 def main(argv=None):
     args = parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -1033,10 +1203,14 @@ def main(argv=None):
     if world > 1:
         device = start_ranks(device)
     configs, plan = settings(args, device)
-    plt = None
+    plt, profiled = None, args.profile or args.trace
+    traces = [None] * len(profile_configs(configs, plan))
+    if args.trace:
+        traces = trace_paths(args.trace, configs, plan)
     try:
-        if args.trace:
-            check_output_path(args.trace, "--trace", ours=starts_with(b"{"))
+        for path in traces:
+            if path:
+                check_output_path(path, "--trace", ours=starts_with(b"{"))
         if args.plot:  # its path and format were checked with the flags (gpt.plot_path)
             plt = plot_to(args.plot)  # matplotlib, imported only for --plot
     except ValueError as e:
@@ -1066,14 +1240,16 @@ def main(argv=None):
             print("\n" + run_warmup_table(name, config, plan, plan.steps, device))
             return
         what = "the sweep"
+        print(sweep_line(configs, plan, profiled))
         summary = print_sweep(plan, run_sweep(plan, configs, device), device)
         if len(plan.vocab) > 1:
             what = "the output-GEMM benchmark"
             set_tf32(plan.tf32)
-            gemm_microbench(B * T, config.n_embd, plan.dtype, device, plan)
-        if args.profile or args.trace:
-            what = "the profiled configuration"
-            run_profile(name, config, plan, device, args.trace)
+            for precision in plan.precisions:
+                gemm_microbench(B * T, config.n_embd, PRECISIONS[precision], device, plan)
+        if profiled:
+            what = "the profiles"
+            run_profiles(configs, plan, device, traces)
         print("\n" + summary)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_oom(e):

@@ -1133,7 +1133,7 @@ def test_precision_gpu_sections_and_fp8_gemms():
 
 # --- 5. bench_e2e.py: ladder, sweep, output GEMMs, warm-up table, profile, bad input
 
-def sweep(device, **kw):  # bench_e2e.run_sweep of the tiny model: (times, stats) by (vocab, batch, seq, mode)
+def sweep(device, **kw):  # bench_e2e.run_sweep of the tiny model: (times, stats) by (vocab, B, T, fp32, eager, mode)
     plan = bench_e2e.Plan(**{**dict(vocab=[50257], batch=[1, 2], seq=[16], modes=bench_e2e.MODES, rounds=2), **kw})
     return bench_e2e.run_sweep(plan, [("tiny", gpt.make_config("tiny"))], device)[0][1:]
 
@@ -1224,20 +1224,25 @@ def test_bench_e2e_sweep_numbers_profile_cpu_run():
     times, stats = sweep(cpu)
     assert len(times) == 2 * 3 and all(len(t) == 2 for t in times.values()), times  # batches x modes
     assert all(t.low <= t.median <= t.high and t.low <= t.mean <= t.high and t.peak is None for t in stats.values())
-    a, b = (50257, 2, 16, "train"), (50257, 1, 16, "train")
+    a, b = (50257, 2, 16, "fp32", "eager", "train"), (50257, 1, 16, "fp32", "eager", "train")
     ratios = sorted(2 * tb / ta for ta, tb in zip(times[a], times[b]))  # tokens/s ratio, per round
     assert bench_e2e.speedup(times, a, b, 2.0) == f"{sum(ratios) / 2:.3f}x ({ratios[0]:.3f}-{ratios[1]:.3f})"
-    f, fb, tr = (times[(50257, 1, 16, m)] for m in bench_e2e.MODES)
-    split = bench_e2e.step_split(times, 50257, 1, 16)
+    f, fb, tr = (times[(50257, 1, 16, "fp32", "eager", m)] for m in bench_e2e.MODES)
+    split = bench_e2e.step_split(times, (50257, 1, 16, "fp32", "eager"))
     assert split[1].startswith(f"{(fb[0] - f[0] + fb[1] - f[1]) / 2:.2f} (")  # paired: per-round differences
     assert split[3] == f"{(tr[0] + tr[1]) / 2:.2f}"
     bench = bench_e2e.build(gpt.make_config("tiny"), {**bench_e2e.FIRST_RUNG, "attn": "naive"}, cpu)
     profs = bench_e2e.profile_steps(bench, 1, 16, cpu, warmup=1, steps=1)
     fwd, step = (bench_e2e.category_times(profs[m], False) for m in ("forward", "train"))
     assert {"matmul", "optimizer", "element-wise", "normalization"} <= set(step) and "optimizer" not in fwd, (fwd, step)
-    stages = bench_e2e.naive_attention_rows(profs["forward"], bench.config, 1, 16, 1, False)
+    stages = bench_e2e.naive_attention_rows(profs["forward"], bench.config, 1, 16, 1, False, None)
     assert [r[0] for r in stages] == list(bench_e2e.NAIVE_RANGES)
-    assert float(stages[1][4][:-1]) < float(stages[2][4][:-1])  # the softmax's FLOP share is the smaller
+    assert float(stages[1][5][:-1]) < float(stages[2][5][:-1])  # the softmax's FLOP share is the smaller
+    # the matmuls at TFLOP/s, the memory-bound softmax at GB/s; the last column: time share over FLOP share
+    assert [r[3].split()[-1] for r in stages] == ["TFLOP/s", "GB/s", "TFLOP/s"], stages
+    for r in stages:
+        ratio = float(r[4][:-1]) / float(r[5][:-1])
+        assert abs(float(r[6]) - ratio) <= 0.05 + 0.05 * ratio, r
     trace = os.path.join(tempfile.mkdtemp(), "step.json")  # and the whole script: vocab widths, GEMMs, profile
     out, err = main_ok("bench_e2e.py", "--device", "cpu", "--batch", 1, "--seq", 16, "--vocab", "50257,50304",
                        "--attn", "naive", "--trace", trace, "--rounds", 2, "--warmup", 0, "--nvtx")
@@ -1245,12 +1250,80 @@ def test_bench_e2e_sweep_numbers_profile_cpu_run():
                                           "time by category", "naive attention, forward")), err + out
     assert "--nvtx ignored (NVTX ranges need CUDA)" in out and "ms/step, mean ± std" in out, out
     cells = [line.split() for line in out.splitlines() if re.match(r"tiny +\d", line)]  # model vocab batch seq ...
-    assert len(cells) == 6 and all(c[8] == "±" for c in cells), out
+    assert len(cells) == 6 and all(c[4:6] == ["fp32", "eager"] and c[10] == "±" for c in cells), out
     for c in cells:  # median (min-max), then mean ± std: the mean lies within min and max
-        low, high = map(float, c[6].strip("()").split("-"))
-        assert low <= float(c[7]) <= high and float(c[9]) >= 0, c
+        low, high = map(float, c[8].strip("()").split("-"))
+        assert low <= float(c[9]) <= high and float(c[11]) >= 0, c
     assert out.strip().splitlines()[-1].startswith("best train throughput"), out
-    assert bench_e2e.starts_with(b"{")(trace) and json.load(open(trace))["traceEvents"]  # ours: may be overwritten
+    for V in (50257, 50304):  # every vocabulary profiled, a trace each; ours: may be overwritten
+        each = os.path.join(os.path.dirname(trace), f"step_tiny_V{V}.json")
+        assert bench_e2e.starts_with(b"{")(each) and json.load(open(each))["traceEvents"], out
+
+def table_under(out, title):  # the rows of the first table printed under a line starting with title, cells split
+    lines = out[out.index("\n" + title) + 1:].splitlines()[3:]  # past the title, the header and its rule
+    rows = []
+    for line in lines:
+        if not line.strip():
+            break
+        rows.append(re.split(r" {2,}", line.strip()))
+    return rows
+
+def test_bench_e2e_profile_every_configuration_cpu():
+    """--trace over two contexts: each configuration profiled (its tables, naive attention's stages against their
+    work, a trace file named after it, valid JSON), then the summary: a row each, its top ops as its tables say."""
+    d = tempfile.mkdtemp()
+    out, err = main_ok("bench_e2e.py", "--device", "cpu", "--batch", 1, "--seq", "16,32", "--attn", "naive",
+                       "--mode", "train", "--rounds", 1, "--trace", os.path.join(d, "e2e.json"))
+    names = [f"tiny V=50257 B=1 T={T} fp32 eager" for T in (16, 32)]
+    assert "sweep: 2 cells (model 1 x vocab 1 x batch 1 x seq 2 x precision 1 x compile 1 x mode 1), then 2 " \
+           "configurations profiled" in out, out
+    parts = out.split("\nprofile of ")[1:]  # a configuration's tables each; the last also holds the summary
+    assert [p.split(",")[0] for p in parts] == names, out
+    for part, T in zip(parts, (16, 32)):
+        titles = ("forward CPU ops: top 5", "train step CPU ops", "time by category")
+        assert all(title in part for title in titles), part
+        stages = table_under(part, "naive attention, forward")
+        assert [r[0] for r in stages] == list(bench_e2e.NAIVE_RANGES) and stages[1][3].endswith("GB/s"), part
+        trace = os.path.join(d, f"e2e_tiny_T{T}.json")
+        assert f"wrote the train-step trace to {trace}" in part and json.load(open(trace))["traceEvents"], part
+    assert sorted(os.listdir(d)) == ["e2e_tiny_T16.json", "e2e_tiny_T32.json"]  # no e2e.json: one file a configuration
+    summary = table_under(out, "profile summary")
+    assert [r[0] for r in summary] == names and all(len(r) == 11 for r in summary), out
+    for row, part in zip(summary, parts):  # the top op of the forward and of the train step, as their tables list them
+        forward, step = table_under(part, "forward CPU ops")[0], table_under(part, "train step CPU ops")[0]
+        assert row[1:4] == [forward[0][:48], forward[1], forward[3]] and row[5:8] == [step[0][:48], step[1], step[3]]
+        assert all(0 <= float(share[:-1]) <= 100 for share in (row[4], row[8])) and float(row[9]) > 0, row
+    assert out.strip().splitlines()[-1].startswith("best train throughput"), out
+    config, plan = gpt.make_config("tiny"), bench_e2e.Plan(vocab=[50257], batch=[4], seq=[128, 256], modes=("train",),
+                                                           precisions=("fp32", "bf16"))
+    assert bench_e2e.trace_paths("t/e2e.json", [("small", config), ("2.7B", config)], plan) == [
+        f"t/e2e_{m}_T{T}_{p}.json" for m in ("small", "2.7B") for T in (128, 256) for p in ("fp32", "bf16")]
+    one = bench_e2e.Plan(vocab=[50257], batch=[4], seq=[128], modes=("train",), precisions=("bf16",))
+    assert bench_e2e.trace_paths("t/e2e.json", [("small", config)], one) == ["t/e2e.json"]  # the name as given
+
+def test_bench_e2e_precision_compile_sweep_cpu():
+    """--precisions and --compile-modes: every cell in each variant, in the same rounds, and a table of each variant
+    against the first, every mode's ms and paired speed-up; one model per precision, eager and compiled alike."""
+    flags = "--device cpu --batch 1 --seq 16 --rounds 2 --precisions fp32,bf16 --compile-modes eager,compiled"
+    out, err = main_ok("bench_e2e.py", *flags.split())
+    variants = [["fp32", "eager"], ["fp32", "compiled"], ["bf16", "eager"], ["bf16", "compiled"]]
+    assert "sweep: 12 cells (model 1 x vocab 1 x batch 1 x seq 1 x precision 2 x compile 2 x mode 3)" in out, out
+    cells = table_under(out, "sweep, ")
+    assert [r[4:7] for r in cells] == [[*v, m] for v in variants for m in bench_e2e.MODES], out
+    assert all(f"{p} compiled {m} (compiling...)" in err for p in ("fp32", "bf16") for m in bench_e2e.MODES), err
+    rows = table_under(out, "precision and compile: every variant against fp32 eager")
+    assert [r[4:6] for r in rows] == variants and all(len(r) == 6 + 2 * len(bench_e2e.MODES) for r in rows), out
+    assert rows[0][7::2] == ["-"] * 3 and all(re.fullmatch(r"[\d.]+x \([\d.]+-[\d.]+\)", c)
+                                             for r in rows[1:] for c in r[7::2]), out
+    ms = {tuple(r[4:7]): r[7] for r in cells}  # each variant's ms, as the sweep's table has it
+    assert all(float(r[6 + 2 * i]) == float(ms[(*r[4:6], m)].split()[0]) for r in rows
+               for i, m in enumerate(bench_e2e.MODES)), out
+    plan, benches, cpu = bench_e2e.Plan(vocab=[50257], batch=[1], seq=[16], modes=("train",)), {}, torch.device("cpu")
+    steps = {v: bench_e2e.sweep_step(benches, gpt.make_config("tiny"), bench_e2e.flag_settings(plan, 50257, v),
+                                     "train", 1, 16, cpu) for v in (("bf16", "eager"), ("bf16", "compiled"))}
+    eager, compiled = (steps[v].args[1] for v in (("bf16", "eager"), ("bf16", "compiled")))
+    assert len(benches) == 1 and compiled.model is eager.model and compiled.runner is not eager.runner
+    assert eager.dtype == torch.bfloat16 and isinstance(eager.optimizer, gpt.MasterWeights)  # as --bf16
 
 def test_bench_e2e_bad_input():
     d, j = tempfile.mkdtemp(), os.path.join
@@ -1289,6 +1362,21 @@ def test_bench_e2e_bad_input():
         ("--warmup-table --ladder", "--warmup-table times one --model"),
         ("--warmup-table --profile", "--warmup-table times one --model"),
         ("--device cpu --batch 100000", "of this machine's memory"),  # refused, not killed by the OOM killer
+        ("--precisions fp64", "argument --precisions: unknown precision 'fp64'; choose from fp32, bf16, fp16"),
+        ("--compile-modes jit", "argument --compile-modes: unknown compile mode 'jit'"),
+        ("--precisions bf16,fp32,bf16", "--precisions bf16,fp32,bf16 names one twice"),
+        ("--compile-modes eager,eager", "names one twice"),
+        ("--precisions fp32,bf16 --bf16", "drop --bf16 and --fp16"),
+        ("--compile-modes eager,compiled --compile", "drop --compile"),
+        ("--device cpu --precisions fp32,fp16", "fp16 (--fp16, --precisions fp16) needs a CUDA GPU"),
+        ("--ladder --precisions fp32,bf16", "sets precision"),
+        ("--warmup-table --compile-modes eager,compiled", "--warmup-table times one --model"),
+    ])
+    other = tempfile.mkdtemp()  # several configurations: each one's trace file checked before any work
+    open(j(other, "t_tiny_T32.json"), "w").write("notes, not a trace\n")
+    refused_before_work("bench_e2e.py", [
+        (["--seq", "16,32", "--trace", j(d, "missing", "t.json")], f"{j(d, 'missing', 't_tiny_T16.json')}: the folder"),
+        (["--seq", "16,32", "--trace", j(other, "t.json")], "t_tiny_T32.json exists and is not a file this script"),
     ])
     ladder = ["--ladder", "--device", "cpu", "--batch", 1, "--seq", 16]
     refused_before_work("bench_e2e.py", [([*ladder, "--plot", j(d, "notes.txt")], plot_refusal()),
@@ -1426,13 +1514,17 @@ def test_bench_e2e_gpu_ladder_peaks_oom():
     assert all(abs(v - losses[0]) < 0.02 * losses[0] for v in losses), losses
     # 4M tokens' activations cannot fit: OOM cells. Two warm-up steps: the second has AdamW's state
     times, stats = sweep(cuda, batch=[4, 8, 16384], seq=[256], warmup=2)
-    peak = {(b, m): stats[(50257, b, 256, m)].peak for b in (4, 8) for m in bench_e2e.MODES}
+    peak = {(b, m): stats[(50257, b, 256, "fp32", "eager", m)].peak for b in (4, 8) for m in bench_e2e.MODES}
     for b in (4, 8):  # weights and AdamW's state in every cell; the fused loss peaks inside the forward: all may tie
         assert peak[(b, "train")] >= peak[(b, "forward-backward")] >= peak[(b, "forward")] > 0, peak
     assert all(peak[(8, m)] > peak[(4, m)] for m in bench_e2e.MODES), peak
-    assert all(stats[(50257, 16384, 256, m)] is None for m in bench_e2e.MODES)
-    check_bad_inputs("bench_e2e.py", [("--model tiny --batch 16384 --seq 256 --mode forward --rounds 1 --profile",
-                                       "out of GPU memory in the profiled configuration")])
+    assert all(stats[(50257, 16384, 256, "fp32", "eager", m)] is None for m in bench_e2e.MODES)
+    # a profiled configuration out of memory: its summary row says OOM, and the next configuration goes on
+    flags = "--model tiny --batch 16384,4 --seq 256 --mode forward --rounds 1 --profile"
+    out, err = main_ok("bench_e2e.py", *flags.split())
+    summary = out[out.index("profile summary"):].splitlines()
+    assert re.match(r"tiny V=50257 B=16384 T=256 fp32 eager +OOM", summary[3]), out
+    assert summary[4].startswith("tiny V=50257 B=4 T=256 fp32 eager") and "OOM" not in summary[4], out
     for extra in ([], ["--compile"]):  # NVTX ranges (no-ops without nsys) in naive attention: eager, and compiled
         flags = "--model tiny --batch 4 --seq 128 --attn naive --mode train --warmup-table --steps 3 --nvtx".split()
         out, err = main_ok("bench_e2e.py", *flags, *extra)
