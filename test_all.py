@@ -803,7 +803,8 @@ def test_every_script_stops_cleanly_on_signals():
             ("bench_attention.py", [*cpu, "--rounds", 10**6], "configurations: ", signal.SIGTERM),  # then the sweep
             ("precision.py", cpu, "== 1.", signal.SIGINT),
             ("memory.py", ["checkpoint", *cpu, "--rounds", 10**6], "round", signal.SIGTERM),
-            ("ddp.py", ["selftest", "--backend", "gloo", "--steps", 10**6], "selftest:", signal.SIGTERM)]:
+            ("ddp.py", ["selftest", "--backend", "gloo", "--steps", 10**6], "selftest:", signal.SIGTERM),
+            ("leaderboard.py", [*cpu, "--steps", 10**6], "predicted peak", signal.SIGINT)]:
         proc = popen(script, *args, stderr=subprocess.STDOUT)
         watchdog = threading.Timer(90, proc.kill)  # a marker that never comes fails the test instead of hanging it
         watchdog.start()
