@@ -14,6 +14,7 @@ and refuses what cannot fit. Without CUDA the defaults are a tiny model that run
 """
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -549,6 +550,7 @@ def main(argv=None):
             world = args.world
         run(args, rank, world, device)
         if dist.is_initialized():
+            gc.collect()  # FSDP2's modules hold reference cycles: freed now, not at exit after the group is gone
             dist.barrier()  # every rank past its last collective before the group is torn down
     except ValueError as e:
         fail(str(e))
