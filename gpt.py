@@ -1108,6 +1108,17 @@ def train_step(model, optimizer, x, y, dtype=None, scaler=None, grad_clip=0.0, m
     return total
 
 
+def start_process_group(device):
+    """torchrun's ranks join one process group: gloo between CPU processes, NCCL between GPUs (each rank bound to
+    its own GPU first, so NCCL and every allocation use it)."""
+    import torch.distributed as dist
+    if device.type != "cuda":
+        dist.init_process_group("gloo")
+        return
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+
+
 def average_gradients(params, world):
     """Data parallelism's one promise, kept after the last backward: every rank holds the mean of all the ranks'
     gradients. Copied into one flat buffer per dtype for one all-reduce each: one per gradient (~150 for gpt2) would

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gpt import (ATTENTION, CE_CHUNK_ROWS, GPU_ONLY_ATTENTION, adamw, check_host_memory, compile_model, is_oom,
                  default_attention, fail, float_in, fmt_mfu, fully_shard_gpt, gib, int_in, linear_cross_entropy, mfu,
-                 on_device, print_table, resolve_device, run_main, time_rounds, train_step)
+                 on_device, print_table, resolve_device, run_main, start_process_group, time_rounds, train_step)
 
 
 # --- 1. the course's model: RMSNorm, rotary positions, causal attention, SwiGLU, pre-norm blocks, untied output
@@ -530,15 +530,6 @@ def cpu_note(device, preset):
     if device.type == "cpu" and preset is None:
         return " (no CUDA: seconds)"
     return ""
-
-
-def start_process_group(device):
-    """gloo between CPU processes, NCCL between GPUs (each rank bound to its own)."""
-    if device.type != "cuda":
-        dist.init_process_group("gloo")
-        return
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
 
 
 def main(argv=None):

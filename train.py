@@ -42,11 +42,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 import gpt  # gpt.NVTX: the switch --nvtx sets
 from gpt import (ATTENTION, FP8_MIN_WIDTH, GPT, GPT2_VOCAB, GPU_ONLY_ATTENTION, GraphedStep, MasterWeights, amp_dtype,
-                 autocast, average_gradients,
-                 check_host_memory, check_output_path, clock, compile_model, configure_optimizer, default_attention,
-                 elapsed_ms, fail, float_in, flops_per_token, fmt_mfu, fp8_supported, fully_shard_gpt, gib,
-                 gpt2_tokenizer, int_in, is_oom, load_tokens, make_config, mfu, nvtx_range, on_device, print_table,
-                 resolve_device, set_cublas_workspace, set_tf32, step_bytes, train_step, use_fp8)
+                 autocast, average_gradients, check_host_memory, check_output_path, clock, compile_model,
+                 configure_optimizer, default_attention, elapsed_ms, fail, float_in, flops_per_token, fmt_mfu,
+                 fp8_supported, fully_shard_gpt, gib, gpt2_tokenizer, int_in, is_oom, load_tokens, make_config, mfu,
+                 nvtx_range, on_device, print_table, resolve_device, set_cublas_workspace, set_tf32,
+                 start_process_group, step_bytes, train_step, use_fp8)
 
 # --- 1. the model on the GPUs: FP8 layers, FSDP2 sharding, torch.compile; the step as one CUDA graph
 def graphed(run, device):
@@ -711,14 +711,6 @@ def ranks_and_device(fsdp, device_name):
         raise ValueError(f"--nproc_per_node={per_host} is more processes than the {torch.cuda.device_count()} "
                          "GPU(s) of this machine: one GPU per process")
     return rank, world, torch.device("cuda", local)
-
-def start_process_group(device):
-    """gloo between CPU processes, NCCL between GPUs (each rank bound to its own)."""
-    if device.type != "cuda":
-        dist.init_process_group("gloo")
-        return
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
