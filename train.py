@@ -6,10 +6,11 @@ the block layers wide enough to gain); on by default, the output layer fused wit
 off), each residual add fused with the LayerNorm after it (--no-fused-norms), the MLP's and c_proj's biases added by
 those kernels (--no-fused-bias), cuBLAS without a workspace, so no memset runs before each matmul
 (--cublas-workspace keeps PyTorch's), the tied embedding's gradient added into the fused loss's, AdamW's matrices
-stepped by gpt.py's kernel, in one process with --bf16 the blocks' weights kept in bf16 by the optimizer, cast once
-a step (--no-master-weights) and, on a GPU in bf16/fp16, flash_triton.py's attention (--attn sdpa for SDPA's). The
-loop never makes the GPU wait: a step's loss is read back while the GPU runs the next. Several GPUs: torchrun, data
-parallel (the gradients averaged by one all-reduce after backward, inside the graph) or --fsdp (FSDP2: weights,
+stepped by gpt.py's kernel, with --bf16 (not under --grad-accum) the blocks' weights kept in bf16 by the optimizer,
+cast once a step (--no-master-weights) and, on a GPU in bf16/fp16, flash_triton.py's attention (--attn sdpa for
+SDPA's). The loop never makes the GPU wait: a step's loss is read back while the GPU runs the next. Several GPUs:
+torchrun, data parallel (the gradients averaged after backward by one all-reduce per dtype, the kept bf16 weights'
+in bf16, inside the graph) or --fsdp (FSDP2: weights,
 gradients and optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C
 saves --ckpt and prints how to resume. --nvtx names each step and its phases for Nsight Systems (nsys profile
 --trace=cuda,nvtx). Without CUDA the same command trains `tiny` on a short context.
