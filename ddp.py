@@ -9,6 +9,7 @@ sweep with its overhead model, and the optimizer memory that sharding saves.
     python ddp.py benchmark --variants local,torch,bucket,fsdp:bf16 --plot ddp.png
     python ddp.py benchmark --variants naive,overlap,bucket,fsdp:bf16 --trace ddp.json --plot-trace ddp_timeline.png
     python ddp.py benchmark --variants local,torch,bucket --bucket-mb 1,10,100,1000   # bucket sweep beside its model
+    python ddp.py benchmark --world 2 --model large --runs 3  # three runs: how far each ratio moves between them
     python ddp.py allreduce --plot allreduce.png # gloo (CPU) beside NCCL (GPU): 1 MiB to 1 GiB, worlds 2, 4, 6
     python ddp.py optimizer-memory --world 2     # AdamW's state per rank, whole vs ZeRO-1, counted vs predicted
 
@@ -1083,8 +1084,10 @@ def prepare_run(setup, config, world, backend, keys, what):
         return weights, f"{world}x {torch.cuda.get_device_name()} over NCCL, bf16 autocast"
     return weights, f"{world} CPU processes over gloo, fp32 (no GPU: CPU defaults, a smoke run, not a measurement)"
 
-def check_benchmark_flags(rows, sizes, trace, plot_trace):
+def check_benchmark_flags(rows, sizes, trace, plot_trace, runs):
     """Exit 2 with one sentence before any rank starts: flags that cannot work together, a trace file in the way."""
+    if runs > 1 and trace:
+        fail(f"--runs {runs} would write each trace {runs} times over: trace one run (drop --runs), or drop --trace")
     if len(sizes) > 1 and not any(v.key in BUCKETED for v in rows):
         fail(f"--bucket-mb {','.join(f'{mb:g}' for mb in sizes)} sweeps the bucketed variants: add bucket, sharded "
              "or zero2 to --variants")
@@ -1098,12 +1101,13 @@ def check_benchmark_flags(rows, sizes, trace, plot_trace):
     except ValueError as e:
         fail(str(e))
 
-def run_benchmark(setup, config, variants, sizes, world, backend, outputs, timeout):
-    """outputs: (--plot, --trace, --plot-trace) paths or None."""
+def run_benchmark(setup, config, variants, sizes, world, backend, outputs, timeout, runs=1):
+    """outputs: (--plot, --trace, --plot-trace) paths or None. runs > 1: the whole benchmark again, fresh ranks each
+    time, then how far each ratio moved between the runs."""
     plot, trace, plot_trace = outputs
     gpu = backend == "nccl"
     rows = benchmark_rows(variants, gpu, sizes)
-    check_benchmark_flags(rows, sizes, trace, plot_trace)
+    check_benchmark_flags(rows, sizes, trace, plot_trace, runs)
     weights, where = prepare_run(setup, config, world, backend, [v.key for v in rows], "the benchmark")
     groups = memory_groups(rows, config, setup.batch, setup.seq, backend, world, weights)
     print(f"data-parallel GPT {setup.model} ({weights / 4e6:.0f}M parameters) on {where}, torch {torch.__version__}: "
@@ -1125,14 +1129,46 @@ def run_benchmark(setup, config, variants, sizes, world, backend, outputs, timeo
     fit_bytes = None
     if swept:  # the all-reduce model's bandwidth at the largest bucket (no bucket holds more than every gradient)
         fit_bytes = 4 * min(float32_count(max(sizes)), round(weights / 4))
-    results = launch(partial(benchmark_worker, setup=setup, groups=groups, trace=trace, fit_bytes=fit_bytes), world,
-                     backend, timeout)
-    print_benchmark(results["rows"], setup, world, plot, gpu)
-    if swept:
-        print_bucket_sweep(swept, results["rows"], results["fit"], config, gpu)
-    if trace:
-        print_traces(results["rows"], plot_trace, gpu)
-    print_summary(results["rows"])
+    every = []
+    for run in range(runs):
+        if runs > 1:
+            print(f"\nrun {run + 1} of {runs} (fresh ranks)", flush=True)
+        results = launch(partial(benchmark_worker, setup=setup, groups=groups, trace=trace, fit_bytes=fit_bytes),
+                         world, backend, timeout)
+        print_benchmark(results["rows"], setup, world, plot, gpu)
+        if swept:
+            print_bucket_sweep(swept, results["rows"], results["fit"], config, gpu)
+        if trace:
+            print_traces(results["rows"], plot_trace, gpu)
+        print_summary(results["rows"])
+        every.append(results["rows"])
+    if runs > 1:
+        print_runs(every)
+
+def ratio_spreads(every):
+    """[(label, [its ratio in each run], largest |ratio / median of the runs - 1|)] for every variant with a paired
+    ratio to torch DDP in every run (not torch DDP itself, nor one out of memory in any run)."""
+    spreads = []
+    for label in every[0]:
+        ratios = [rows[label]["timing"]["ratio"] for rows in every
+                  if label in rows and not rows[label]["oom"] and rows[label]["timing"]["ratio"] is not None]
+        if label == LABELS["torch"] or len(ratios) < len(every):
+            continue
+        middle = statistics.median(ratios)
+        spreads.append((label, ratios, max(abs(r / middle - 1) for r in ratios)))
+    return spreads
+
+def print_runs(every, band=0.05):
+    """Whether the table repeats: each ratio over the runs, and its largest distance from their median."""
+    spreads = ratio_spreads(every)
+    print(f"\nthe ratios to torch DDP over {len(every)} runs (each run fresh ranks; a ratio: the median of its "
+          "per-round ratios)")
+    rows = [[label, " / ".join(f"{r:.3f}x" for r in ratios), f"{100 * spread:.1f}%", "yes" if spread <= band else "no"]
+            for label, ratios, spread in spreads]
+    print_table(["variant", "vs torch DDP, run by run", "largest distance from their median", f"within {band:.0%}"],
+                rows)
+    held = sum(spread <= band for _, _, spread in spreads)
+    print(f"runs: {held} of {len(spreads)} ratios stayed within {band:.0%} of their median over {len(every)} runs")
 
 # takeaway: interleaved rounds beside a no-comm row show what communication costs a step, phase by phase.
 
@@ -1479,6 +1515,9 @@ def build_parser():
                     help="bucket size in MB (2^20 bytes) for BucketDDP, ZeRO and torch DDP; a comma list "
                     "(1,10,100,1000) runs BucketDDP and ZeRO once per size (torch DDP takes the first) and prints the "
                     "bucket sweep beside its overhead model")
+    bm.add_argument("--runs", type=int_in(1), default=1,
+                    help="run the whole benchmark N times, each with fresh ranks, and print how far each ratio "
+                    "moved between runs (its largest distance from the runs' median, against +-5%%)")
     bm.add_argument("--trace", metavar="PATH.json",
                     help=f"write rank 0's torch.profiler trace (Chrome/Perfetto JSON) of {TRACE_STEPS} steps of each "
                     "variant after its rounds: PATH.json -> PATH.<variant>.json, e.g. ddp.overlap.json; prints each "
@@ -1518,7 +1557,7 @@ def main(argv=None):
     if args.command == "optimizer-memory":
         return run_optimizer_memory(setup, config, args.world, backend, args.timeout)
     run_benchmark(setup, config, args.variants, sizes, args.world, backend, (args.plot, args.trace, args.plot_trace),
-                  args.timeout)
+                  args.timeout, args.runs)
 
 # takeaway: the parent starts a process per rank and stops them all; a killed or failing rank is one clear line.
 

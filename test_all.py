@@ -30,6 +30,7 @@ import re
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -2064,6 +2065,31 @@ def test_ddp_benchmark_cpu_smoke():
     assert "exposed comm: n/a on the CPU" in out, out
     assert out.splitlines()[-1].startswith("summary: step (memory) vs torch DDP's: local (no comm)"), out
 
+def test_ddp_benchmark_runs_say_how_far_each_ratio_moved():
+    """--runs 2: the benchmark twice, fresh ranks each time, then each variant's ratio to torch DDP as each run's
+    table printed it, its largest distance from the runs' median and whether that is within 5%."""
+    p = run("ddp.py", "benchmark", "--world", 2, "--backend", "gloo", "--rounds", 2, "--steps", 1, "--warmup", 1,
+            "--variants", "local,torch,flat", "--runs", 2)
+    out = p.stdout
+    assert "run 1 of 2 (fresh ranks)" in out and "run 2 of 2 (fresh ranks)" in out, out
+    for label in ("local (no comm)", "FlatDDP"):
+        tables = [float(re.search(r"(\d+\.\d+)x \(", line).group(1)) for line in out.splitlines()
+                  if line.startswith(label + "  ") and "x (" in line]  # each run's own row
+        row = next(line for line in out.splitlines() if line.startswith(label + "  ") and " / " in line)
+        ratios = [float(x) for x in re.findall(r"(\d+\.\d+)x", row)]
+        middle = statistics.median(ratios)
+        spread = max(abs(r / middle - 1) for r in ratios)
+        assert len(tables) == 2 and ratios == tables, (label, tables, row)
+        printed = float(row.split()[-2].rstrip("%"))  # from the unrounded ratios: within rounding of ours
+        verdicts = {"yes", "no"}  # at 5.0% as printed, the unrounded value decides
+        if printed < 5:
+            verdicts = {"yes"}
+        elif printed > 5:
+            verdicts = {"no"}
+        assert abs(printed - 100 * spread) < 0.2 and row.split()[-1] in verdicts, row
+    assert out.splitlines()[-1].startswith("runs: ") and out.splitlines()[-1].endswith("within 5% of their median "
+                                                                                      "over 2 runs"), out
+
 def test_ddp_benchmark_groups_fit_the_card_torch_ddp_in_each():
     """Groups on two simulated 80 GB GPUs: torch DDP in every group, every other row once; the no-comm row beside
     every variant only where it fits (gpt2 yes; xl no: it is timed once, like any other row), each group within
@@ -2203,6 +2229,8 @@ def test_ddp_bad_inputs():
             (f"benchmark --trace {tmp}/missing/ddp.json", "does not exist"),
             ("benchmark --trace /proc/ddp.json", "cannot be written there"),
             ("benchmark --timeout 0", "argument --timeout: must be at least 1"),
+            ("benchmark --runs 0", "argument --runs: must be at least 1"),
+            (f"benchmark --runs 3 --trace {tmp}/ddp.json", "would write each trace 3 times over"),
             ("allreduce --sizes 0", "at least one float32"),
             ("allreduce --sizes -1", "argument --sizes: must be at least 0"),
             ("allreduce --sizes 1,,2", "expected a comma list of sizes in MiB"),
