@@ -84,8 +84,11 @@ def build(run, config, state, rank, world, device, log):
     if state is not None:
         step, pos = apply_checkpoint(state, run.ckpt, raw_model, optimizer, scaler)
         log(f"resumed from {run.ckpt} at step {step}")
-    if world > 1 and not run.fsdp:  # as DDP starts: every rank from rank 0's weights (and MasterWeights' masters)
-        for t in list(raw_model.state_dict().values()) + getattr(optimizer, "masters", []):
+    if world > 1 and not run.fsdp:  # as DDP starts: every rank from rank 0's weights
+        weights = list(raw_model.state_dict().values())
+        if isinstance(optimizer, MasterWeights):  # and from its fp32 masters, which the optimizer steps
+            weights += optimizer.masters
+        for t in weights:
             dist.broadcast(t, 0)
     model = raw_model
     if run.compile:  # under FSDP it compiles each block's forward (one graph all blocks share), not the hooks
