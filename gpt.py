@@ -1018,14 +1018,15 @@ def compile_model(model, cuda_graphs=False):
     return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
 
 
-def fully_shard_gpt(model, param_dtype=None, blocks=None):
+def fully_shard_gpt(model, param_dtype=None, blocks=None, cast_inputs=True):
     """FSDP2 per block, then the whole model: one block's all-gather overlaps the block before it's compute.
-    blocks: the modules sharded one by one (default model.h, GPT's blocks)."""
+    blocks: the modules sharded one by one (default model.h, GPT's blocks). cast_inputs=False passes each block's
+    floating inputs on as they are, not cast to param_dtype (fp32 tables shared by every block stay fp32)."""
     from torch.distributed import get_world_size
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(next(model.parameters()).device.type, (get_world_size(),))  # not FSDP2's default CUDA
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=cast_inputs)
     if blocks is None:
         blocks = model.h
     for block in blocks:

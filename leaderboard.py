@@ -193,7 +193,9 @@ def build(s, attn, recompute, compile_blocks, world, bf16, device, seed, lr):
             model.layers[i] = compile_model(block)
     dtype = None
     if world > 1:
-        fully_shard_gpt(model, torch.bfloat16 if bf16 else None, blocks=model.layers)
+        # cast_inputs=False: the rotary tables stay fp32. Cast by FSDP2, they were bf16 in forward but fp32 when a
+        # checkpointed block was recomputed on the GPU (the cast skipped in backward), and checkpoint refused that.
+        fully_shard_gpt(model, torch.bfloat16 if bf16 else None, blocks=model.layers, cast_inputs=False)
     elif bf16:
         dtype = torch.bfloat16
     # gpt.adamw: fused on the GPU; torch's step for FSDP's sharded (DTensor) parameters, gpt's kernel otherwise

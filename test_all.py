@@ -2930,6 +2930,22 @@ def test_leaderboard_runs_on_one_and_two_cpu_ranks_alike():
     torch.testing.assert_close(two, one, atol=2e-4, rtol=0)
     assert "FSDP2 over 2 ranks" in outs[1] and "2 process(es)" in outs[1], outs[1]
 
+@gpu
+def test_leaderboard_gpu_recomputed_sharded_blocks_learn():
+    """On the GPU in bf16 with every block recomputed, sharded over two GPUs where there are two (FSDP2 must hand a
+    recomputed block the inputs it saw in forward, rotary tables included): do_bench times the steps, the loss falls,
+    and the table gives the peak per GPU beside the prediction."""
+    launch = []
+    if torch.cuda.device_count() >= 2:
+        launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    out = run(*launch, "leaderboard.py", "--layers", 2, "--d-model", 256, "--heads", 2, "--d-ff", 688, "--vocab", 1024,
+              "--seq", 256, "--batch", 2, "--recompute", 1, "--warmup-ms", 1, "--rep-ms", 50, timeout=600).stdout
+    assert "bf16, attention " in out and "do_bench" in out, out
+    losses = [float(v) for v in out.split("(mean over ranks): ")[1].splitlines()[0].split()]
+    assert len(losses) >= 3 and losses[-1] < losses[0], losses
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith("summary: ") and " MiB allocated, predicted " in summary, summary
+
 def test_leaderboard_bad_input():
     """Each mistake exits 2 with one sentence, before any work; a step predicted not to fit is refused."""
     check_bad_inputs("leaderboard.py", [
