@@ -20,12 +20,13 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from gpt import (ATTENTION, CE_CHUNK_ROWS, GPU_ONLY_ATTENTION, adamw, check_host_memory, compile_model, is_oom,
                  fail, float_in, fmt_mfu, fully_shard_gpt, gib, int_in, linear_cross_entropy, mfu,
@@ -144,13 +145,33 @@ def init_like_the_course(module):
             nn.init.trunc_normal_(m.weight, std=std, a=-3 * std, b=3 * std)
 
 
+# The fused kernels F.scaled_dot_product_attention dispatches to, one aten op each: what --keep-attention saves.
+SDPA_OPS = {torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+KEEPS_ATTENTION = ("sdpa", "flash", "cudnn", "efficient")  # the --attn choices that run one of them
+
+
+def attention_kept(ctx, op, *args, **kwargs):
+    """Selective recomputation's policy: attention's outputs (its output and log-sum-exp) are saved in forward and
+    handed back when the block is recomputed; every other op runs again. At 32K tokens attention is the costliest op
+    of a block and its output only (T, d) per sequence."""
+    if op in SDPA_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class TransformerLM(nn.Module):
     """The course's BasicsTransformerLM, module for module (its state dict's names). forward(idx, targets) returns
     (logits, None) without targets, else (None, mean loss) through gpt.py's fused output layer and loss."""
 
-    def __init__(self, s, attend, recompute=0):
+    def __init__(self, s, attend, recompute=0, keep_attention=False):
         super().__init__()
         self.sizes, self.recompute = s, recompute  # recompute K: every K-th block's activations redone in backward
+        self.context = noop_context_fn  # checkpoint's default: everything recomputed
+        if keep_attention:  # ... but attention's outputs, kept from forward
+            self.context = partial(create_selective_checkpoint_contexts, attention_kept)
         self.token_embeddings = nn.Embedding(s.vocab, s.d_model)
         self.layers = nn.ModuleList(Block(s, attend) for _ in range(s.layers))
         self.ln_final = RMSNorm(s.d_model)
@@ -167,7 +188,7 @@ class TransformerLM(nn.Module):
         K = self.recompute
         for i, block in enumerate(self.layers):
             if K and i % K == 0 and torch.is_grad_enabled():  # keep the block's input alone, redo the rest later
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, use_reentrant=False, context_fn=self.context)
             else:
                 x = block(x, cos, sin)
         x = self.ln_final(x)
@@ -182,13 +203,13 @@ class TransformerLM(nn.Module):
 
 # --- 2. the step: sharded per block, recomputed per block, compiled per block, through gpt.train_step
 
-def build(s, attn, recompute, compile_blocks, world, bf16, device, seed, lr):
+def build(s, attn, recompute, keep_attention, compile_blocks, world, bf16, device, seed, lr):
     """(model, optimizer, autocast dtype) on this rank. Several ranks: FSDP2 per block (gpt.fully_shard_gpt), bf16
     weights gathered and fp32 gradients reduce-scattered, each rank holding 1/world of the fp32 weights, gradients
     and AdamW moments. One process: fp32 weights under bf16 autocast."""
     torch.manual_seed(seed)  # the same initial weights on every rank: each keeps its shard of them
     with torch.device(device):  # built where it runs: no host copy of 8B parameters
-        model = TransformerLM(s, ATTENTION[attn], recompute)
+        model = TransformerLM(s, ATTENTION[attn], recompute, keep_attention)
     if compile_blocks:  # one compiled graph that every block shares (same shapes); FSDP's hooks stay outside it
         for i, block in enumerate(model.layers):
             model.layers[i] = compile_model(block)
@@ -237,14 +258,15 @@ def saved_by_block(s, tokens, width, stream):
     return tokens * (16 * d + 8 + width * (7 * d + 4 * s.d_ff) + 4 * s.heads) + weight_copies
 
 
-def predict(s, world, bf16, recompute):
+def predict(s, world, bf16, recompute, keep_attention=False):
     """({what: bytes}, peak): what one rank holds, and its peak. The state (fp32 weights and AdamW's moments, 1/world
     each under FSDP) and the gathered bf16 weights stay all step. On top of them, the larger of two moments, because
     backward makes the gradients as it frees the activations, so the two are never all there at once:
       start of backward: every activation kept for it, and the larger transient, the loss's (a chunk of logits) or
         the top block's backward (its activations recomputed, its unreduced gradients, the stream's gradients);
       end of backward: every gradient made, the bottom block's backward and the root's unreduced gradients
-        (embedding and lm_head, reduce-scattered last)."""
+        (embedding and lm_head, reduce-scattered last).
+    keep_attention: each recomputed block also keeps attention's output and log-sum-exp from forward."""
     width = 2 if bf16 else 4  # the matmuls' dtype, and the gathered weights' under FSDP
     fsdp = world > 1
     stream = 4
@@ -256,6 +278,9 @@ def predict(s, world, bf16, recompute):
     if recompute:
         checkpointed = len(range(0, s.layers, recompute))
     whole = s.layers - checkpointed
+    kept = 0  # bytes of attention's outputs a recomputed block keeps: (B, H, T, D) in width, fp32 log-sum-exp (B, H, T)
+    if keep_attention:
+        kept = width * tokens * d + 4 * s.heads * tokens
     rows = {"weights (fp32)": 4 * share, "AdamW moments (2 x fp32)": 8 * share}
     if fsdp:
         rows["gathered: embedding, lm_head, final norm"] = width * (2 * s.vocab * d + d)  # the root's: whole step
@@ -265,6 +290,7 @@ def predict(s, world, bf16, recompute):
     state = sum(rows.values())
     activations = {"activations: blocks kept whole": whole * saved_by_block(s, tokens, width, stream),
                    "activations: recomputed blocks' inputs": checkpointed * stream * tokens * d,
+                   "activations: attention's outputs kept (--keep-attention)": checkpointed * kept,
                    "activations: final norm, loss's dx and dW": (4 + stream) * tokens * d + width * s.vocab * d}
     loss = width * min(CE_CHUNK_ROWS, tokens) * s.vocab + stream * tokens * d  # a chunk's logits, dx
     block = 2 * stream * tokens * d + 2 * width * tokens * s.d_ff  # the stream's gradients, SwiGLU's two
@@ -274,7 +300,7 @@ def predict(s, world, bf16, recompute):
         root = width * 2 * s.vocab * d  # lm_head's and the embedding's gradients, unreduced until the end
     top = block  # the top block's activations: kept (counted with the activations) or recomputed now
     if checkpointed:
-        top += saved_by_block(s, tokens, width, stream)
+        top += saved_by_block(s, tokens, width, stream) - kept  # what it kept is counted above
     bottom = block + saved_by_block(s, tokens, width, stream)  # the bottom block's activations, kept or recomputed
     rows.update(activations)
     rows["gradients (fp32)"] = 4 * share
@@ -286,11 +312,14 @@ def predict(s, world, bf16, recompute):
     return rows, peak
 
 
-def print_prediction(s, world, bf16, recompute, capacity):
+def print_prediction(s, world, bf16, recompute, keep_attention, capacity):
     """The table, with and without recomputing every block, and the verdict for `recompute`; its predicted peak."""
     K = recompute or 1
     without, peak_without = predict(s, world, bf16, 0)
-    with_k, peak_k = predict(s, world, bf16, K)
+    with_k, peak_k = predict(s, world, bf16, K, keep_attention)
+    recomputing = f"--recompute {K}"
+    if keep_attention:
+        recomputing += " --keep-attention"
     unit, scale = "GiB", 2**30
     if peak_without < 2**30:  # a tiny model's table in MiB
         unit, scale = "MiB", 2**20
@@ -299,8 +328,8 @@ def print_prediction(s, world, bf16, recompute, capacity):
     layout = "one process"
     if world > 1:
         layout = f"FSDP2 over {world} ranks"
-    print_table([f"memory per rank, {unit} ({layout}, {all_params(s):,} parameters)", "no recompute",
-                 f"--recompute {K}"], table)
+    print_table([f"memory per rank, {unit} ({layout}, {all_params(s):,} parameters)", "no recompute", recomputing],
+                table)
     print("an estimate from tensor sizes as autograd saves them on the CPU; allocated bytes, not reserved. The GPU's "
           "fused kernels save less: the 8B step on two H200s peaked 7% under its prediction eager, 11% compiled")
     peak = peak_without
@@ -397,6 +426,8 @@ def parse_args(argv):
     precision.add_argument("--fp32", action="store_true", help="fp32 compute (the default on the CPU)")
     p.add_argument("--recompute", type=int_in(0), default=0, metavar="K",
                    help="recompute every K-th block's activations in backward (1: all; 0: none)")
+    p.add_argument("--keep-attention", action="store_true",
+                   help="recomputed blocks keep attention's output from forward instead of running attention again")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--attn", choices=ATTENTION, help="attention (default: sdpa, the fastest here)")
     p.add_argument("--warmup-ms", type=float_in(0), default=10_000, help="do_bench's warm-up on a GPU (course: 10 s)")
@@ -447,6 +478,14 @@ def check_run(args, s, world, device):
         raise ValueError(f"--batch {s.batch} does not split over {world} ranks: give each rank the same rows")
     if device.type == "cpu" and args.attn in GPU_ONLY_ATTENTION:
         raise ValueError(f"--attn {args.attn} needs a CUDA GPU")
+    if args.keep_attention and not args.recompute:
+        raise ValueError("--keep-attention keeps attention's output in recomputed blocks: add --recompute K")
+    if args.keep_attention and (args.attn or "sdpa") not in KEEPS_ATTENTION:
+        choices = ", ".join(KEEPS_ATTENTION)
+        raise ValueError(f"--keep-attention saves the output of SDPA's kernels: use --attn {choices}")
+    if args.keep_attention and args.compile:
+        raise ValueError("--keep-attention picks ops of an eager block to save; a compiled block runs Inductor's "
+                         "kernels instead: drop --compile")
     if args.world is not None and not args.predict:
         raise ValueError("--world is for --predict; a run takes its ranks from torchrun")
 
@@ -501,9 +540,9 @@ def run(args, rank, world, device):
         f"{'bf16' if bf16 else 'fp32'}, attention {attn}, {world} process(es)")
     capacity = capacity_of(args, device)
     if rank == 0:
-        predicted = print_prediction(s, world, bf16, args.recompute, capacity)
+        predicted = print_prediction(s, world, bf16, args.recompute, args.keep_attention, capacity)
     else:
-        predicted = predict(s, world, bf16, args.recompute)[1]
+        predicted = predict(s, world, bf16, args.recompute, args.keep_attention)[1]
     if args.predict:
         return
     if capacity and predicted > capacity:
@@ -513,7 +552,8 @@ def run(args, rank, world, device):
         check_host_memory(world * predicted, f"the step at {s}", "use smaller sizes")
     if world > 1:
         start_process_group(device)
-    model, optimizer, dtype = build(s, attn, args.recompute, args.compile, world, bf16, device, args.seed, args.lr)
+    model, optimizer, dtype = build(s, attn, args.recompute, args.keep_attention, args.compile, world, bf16, device,
+                                    args.seed, args.lr)
     x, y = course_batch(s, rank, world, device, args.seed)
     losses = []
 

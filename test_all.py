@@ -44,6 +44,7 @@ import numpy as np
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no "USDT: ... profiler_start" lines from the profiler's library
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # the scripts import each other by name, wherever the test is started from
@@ -2891,7 +2892,8 @@ def test_leaderboard_model_matches_the_course_and_learns():
     assert got.shape == (2, s.seq, s.vocab) and rel_err(got.double(), want) < 1e-5, rel_err(got.double(), want)
     runs = []
     for recompute in (0, 1):
-        model, optimizer, dtype = lb.build(s, "sdpa", recompute, False, 1, False, "cpu", 0, 3e-3)
+        model, optimizer, dtype = lb.build(s, "sdpa", recompute, keep_attention=False, compile_blocks=False,
+                                           world=1, bf16=False, device="cpu", seed=0, lr=3e-3)
         x, y = lb.course_batch(s, 0, 1, "cpu", 0)
         runs.append([gpt.train_step(model, optimizer, x, y, dtype).item() for _ in range(6)])
     losses = runs[0]
@@ -2915,36 +2917,80 @@ def test_leaderboard_memory_model_counts_what_a_block_saves():
         verdicts.append(out.strip().splitlines()[-1].split(": ")[-1])
     assert verdicts == ["does not fit", "fits"], verdicts
 
+class CountOps(TorchDispatchMode):
+    """How many times each of `ops` runs while the mode is on."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops, self.count = ops, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.ops
+        return func(*args, **(kwargs or {}))
+
+
+def test_leaderboard_kept_attention_is_not_run_again_and_changes_nothing():
+    """--keep-attention: a recomputed block's backward runs no attention forward (without it, one per block), its
+    gradients are bit for bit those of plain recomputation, and the memory model counts the kept output and
+    log-sum-exp of every recomputed block."""
+    s = lb.Sizes(layers=3, d_model=64, d_ff=172, heads=4, vocab=512, seq=64, batch=2)
+    x, y = lb.course_batch(s, 0, 1, "cpu", 0)
+    grads, runs = [], []
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model = lb.TransformerLM(s, gpt.ATTENTION["sdpa"], recompute=1, keep_attention=keep)
+        _, loss = model(x, y)
+        with CountOps(lb.SDPA_OPS) as counted:
+            loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+        runs.append(counted.count)
+    assert runs == [s.layers, 0], runs
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    plain, kept = lb.predict(s, 1, False, 1)[0], lb.predict(s, 1, False, 1, keep_attention=True)[0]
+    tokens = s.batch * s.seq
+    assert kept["activations: attention's outputs kept (--keep-attention)"] == s.layers * (
+        4 * tokens * s.d_model + 4 * s.heads * tokens)
+    assert plain["activations: attention's outputs kept (--keep-attention)"] == 0
+
 def test_leaderboard_runs_on_one_and_two_cpu_ranks_alike():
     """python leaderboard.py at tiny size prints the memory table, the timer's table and ms per step; two gloo
-    ranks under torchrun (FSDP2 per block, half the batch each) lose what one process loses, rank 0 speaking."""
+    ranks under torchrun (FSDP2 per block, half the batch each), with or without --keep-attention, lose what one
+    process loses, rank 0 speaking."""
     outs = []
-    for launch in ([], ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]):
-        p = run(*launch, "leaderboard.py", "--device", "cpu", "--recompute", 1, "--steps", 3, timeout=300)
+    two_ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    for launch, extra in (([], []), (two_ranks, []), (two_ranks, ["--keep-attention"])):
+        p = run(*launch, "leaderboard.py", "--device", "cpu", "--recompute", 1, "--steps", 3, *extra, timeout=300)
         outs.append(p.stdout)
     for out in outs:
         assert out.count("memory per rank, MiB") == 1 and out.count("gpt.time_rounds") == 2, out
         assert out.strip().splitlines()[-1].startswith("summary: ") and "ms per step" in out, out
-    one, two = ([float(v) for v in out.split("(mean over ranks): ")[1].splitlines()[0].split()] for out in outs)
+    one, *sharded = ([float(v) for v in out.split("(mean over ranks): ")[1].splitlines()[0].split()] for out in outs)
     assert len(one) == 4 and one[-1] < one[0], one
-    torch.testing.assert_close(two, one, atol=2e-4, rtol=0)
+    for two in sharded:  # FSDP2 over two ranks, blocks recomputed whole, then keeping attention's output
+        torch.testing.assert_close(two, one, atol=2e-4, rtol=0)
     assert "FSDP2 over 2 ranks" in outs[1] and "2 process(es)" in outs[1], outs[1]
+    assert "--recompute 1 --keep-attention" in outs[2], outs[2]
 
 @gpu
 def test_leaderboard_gpu_recomputed_sharded_blocks_learn():
     """On the GPU in bf16 with every block recomputed, sharded over two GPUs where there are two (FSDP2 must hand a
-    recomputed block the inputs it saw in forward, rotary tables included): do_bench times the steps, the loss falls,
-    and the table gives the peak per GPU beside the prediction."""
+    recomputed block the inputs it saw in forward, rotary tables included), then keeping attention's output: do_bench
+    times the steps, the loss falls, and the table gives the peak per GPU beside the prediction."""
     launch = []
     if torch.cuda.device_count() >= 2:
         launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    out = run(*launch, "leaderboard.py", "--layers", 2, "--d-model", 256, "--heads", 2, "--d-ff", 688, "--vocab", 1024,
-              "--seq", 256, "--batch", 2, "--recompute", 1, "--warmup-ms", 1, "--rep-ms", 50, timeout=600).stdout
-    assert "bf16, attention " in out and "do_bench" in out, out
-    losses = [float(v) for v in out.split("(mean over ranks): ")[1].splitlines()[0].split()]
-    assert len(losses) >= 3 and losses[-1] < losses[0], losses
-    summary = out.strip().splitlines()[-1]
-    assert summary.startswith("summary: ") and " MiB allocated, predicted " in summary, summary
+    runs = []
+    for extra in ([], ["--keep-attention"]):
+        out = run(*launch, "leaderboard.py", "--layers", 2, "--d-model", 256, "--heads", 2, "--d-ff", 688, "--vocab",
+                  1024, "--seq", 256, "--batch", 2, "--recompute", 1, "--warmup-ms", 1, "--rep-ms", 50, *extra,
+                  timeout=600).stdout
+        assert "bf16, attention sdpa" in out and "do_bench" in out, out
+        losses = [float(v) for v in out.split("(mean over ranks): ")[1].splitlines()[0].split()]
+        assert len(losses) >= 3 and losses[-1] < losses[0], losses
+        summary = out.strip().splitlines()[-1]
+        assert summary.startswith("summary: ") and " MiB allocated, predicted " in summary, summary
+        runs.append(losses)
+    assert runs[0][0] == runs[1][0], runs  # the same first forward: kept attention changes no number
 
 def test_leaderboard_bad_input():
     """Each mistake exits 2 with one sentence, before any work; a step predicted not to fit is refused."""
@@ -2960,6 +3006,9 @@ def test_leaderboard_bad_input():
         ("--device cpu --bf16 --fp32", "not allowed with argument"),
         ("--device tpu", "--device 'tpu' is not a device"),
         ("--preset leaderboard --device cpu --gpu-gib 139.8", "GiB > 139.80 GiB per GPU; add --recompute 1 or more"),
+        ("--device cpu --keep-attention", "add --recompute K"),
+        ("--device cpu --recompute 1 --keep-attention --attn naive", "use --attn sdpa, flash, cudnn, efficient"),
+        ("--device cpu --recompute 1 --keep-attention --compile", "drop --compile"),
     ])
     code, out, err = call_main("leaderboard.py", "--preset", "leaderboard", "--device", "cpu", "--gpu-gib", 139.8)
     predicted = out.strip().splitlines()[-1].split(" of ")[0]  # the table's last line: "predicted X GiB of ..."
