@@ -166,9 +166,10 @@ class TransformerLM(nn.Module):
     """The course's BasicsTransformerLM, module for module (its state dict's names). forward(idx, targets) returns
     (logits, None) without targets, else (None, mean loss) through gpt.py's fused output layer and loss."""
 
-    def __init__(self, s, attend, recompute=0, keep_attention=False):
+    def __init__(self, s, attend, recompute=0, keep_attention=False, fused_loss=True):
         super().__init__()
         self.sizes, self.recompute = s, recompute  # recompute K: every K-th block's activations redone in backward
+        self.fused_loss = fused_loss
         self.context = noop_context_fn  # checkpoint's default: everything recomputed
         if keep_attention:  # ... but attention's outputs, kept from forward
             self.context = partial(create_selective_checkpoint_contexts, attention_kept)
@@ -194,6 +195,9 @@ class TransformerLM(nn.Module):
         x = self.ln_final(x)
         if targets is None:
             return self.lm_head(x), None  # (B, T, vocab)
+        if not self.fused_loss:  # the course's way: every logit made, in fp32 for the softmax
+            logits = self.lm_head(x).flatten(0, 1).float()  # (B*T, vocab)
+            return None, F.cross_entropy(logits, targets.flatten())
         # The logits never exist whole: chunks of rows, each turned into its gradient at once (gpt.py, section 4).
         return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),  # (B*T, C)
                                           n_valid=self.sizes.vocab)
@@ -203,13 +207,13 @@ class TransformerLM(nn.Module):
 
 # --- 2. the step: sharded per block, recomputed per block, compiled per block, through gpt.train_step
 
-def build(s, attn, recompute, keep_attention, compile_blocks, world, bf16, device, seed, lr):
+def build(s, attn, recompute, keep_attention, fused_loss, compile_blocks, world, bf16, device, seed, lr):
     """(model, optimizer, autocast dtype) on this rank. Several ranks: FSDP2 per block (gpt.fully_shard_gpt), bf16
     weights gathered and fp32 gradients reduce-scattered, each rank holding 1/world of the fp32 weights, gradients
     and AdamW moments. One process: fp32 weights under bf16 autocast."""
     torch.manual_seed(seed)  # the same initial weights on every rank: each keeps its shard of them
     with torch.device(device):  # built where it runs: no host copy of 8B parameters
-        model = TransformerLM(s, ATTENTION[attn], recompute, keep_attention)
+        model = TransformerLM(s, ATTENTION[attn], recompute, keep_attention, fused_loss)
     if compile_blocks:  # one compiled graph that every block shares (same shapes); FSDP's hooks stay outside it
         for i, block in enumerate(model.layers):
             model.layers[i] = compile_model(block)
@@ -258,7 +262,7 @@ def saved_by_block(s, tokens, width, stream):
     return tokens * (16 * d + 8 + width * (7 * d + 4 * s.d_ff) + 4 * s.heads) + weight_copies
 
 
-def predict(s, world, bf16, recompute, keep_attention=False):
+def predict(s, world, bf16, recompute, keep_attention=False, fused_loss=True):
     """({what: bytes}, peak): what one rank holds, and its peak. The state (fp32 weights and AdamW's moments, 1/world
     each under FSDP) and the gathered bf16 weights stay all step. On top of them, the larger of two moments, because
     backward makes the gradients as it frees the activations, so the two are never all there at once:
@@ -266,7 +270,8 @@ def predict(s, world, bf16, recompute, keep_attention=False):
         the top block's backward (its activations recomputed, its unreduced gradients, the stream's gradients);
       end of backward: every gradient made, the bottom block's backward and the root's unreduced gradients
         (embedding and lm_head, reduce-scattered last).
-    keep_attention: each recomputed block also keeps attention's output and log-sum-exp from forward."""
+    keep_attention: each recomputed block also keeps attention's output and log-sum-exp from forward. fused_loss=False:
+    the logits made whole, an fp32 copy for the softmax, its fp32 log-probabilities kept for backward."""
     width = 2 if bf16 else 4  # the matmuls' dtype, and the gathered weights' under FSDP
     fsdp = world > 1
     stream = 4
@@ -290,9 +295,14 @@ def predict(s, world, bf16, recompute, keep_attention=False):
     state = sum(rows.values())
     activations = {"activations: blocks kept whole": whole * saved_by_block(s, tokens, width, stream),
                    "activations: recomputed blocks' inputs": checkpointed * stream * tokens * d,
-                   "activations: attention's outputs kept (--keep-attention)": checkpointed * kept,
-                   "activations: final norm, loss's dx and dW": (4 + stream) * tokens * d + width * s.vocab * d}
-    loss = width * min(CE_CHUNK_ROWS, tokens) * s.vocab + stream * tokens * d  # a chunk's logits, dx
+                   "activations: attention's outputs kept (--keep-attention)": checkpointed * kept}
+    if fused_loss:
+        activations["activations: final norm, loss's dx and dW"] = (4 + stream) * tokens * d + width * s.vocab * d
+        loss = width * min(CE_CHUNK_ROWS, tokens) * s.vocab + stream * tokens * d  # a chunk's logits, dx
+    else:  # (N, vocab) each: the fp32 log-probabilities kept; in backward the gradients of the loss and of the softmax
+        activations["activations: final norm, the loss's fp32 log-probabilities"] = ((4 + stream) * tokens * d
+                                                                                      + 4 * tokens * s.vocab)
+        loss = max(width + 4, 8) * tokens * s.vocab  # forward: the logits and their fp32 copy; backward: two gradients
     block = 2 * stream * tokens * d + 2 * width * tokens * s.d_ff  # the stream's gradients, SwiGLU's two
     root = 0
     if fsdp:
@@ -312,11 +322,11 @@ def predict(s, world, bf16, recompute, keep_attention=False):
     return rows, peak
 
 
-def print_prediction(s, world, bf16, recompute, keep_attention, capacity):
+def print_prediction(s, world, bf16, recompute, keep_attention, fused_loss, capacity):
     """The table, with and without recomputing every block, and the verdict for `recompute`; its predicted peak."""
     K = recompute or 1
-    without, peak_without = predict(s, world, bf16, 0)
-    with_k, peak_k = predict(s, world, bf16, K, keep_attention)
+    without, peak_without = predict(s, world, bf16, 0, fused_loss=fused_loss)
+    with_k, peak_k = predict(s, world, bf16, K, keep_attention, fused_loss)
     recomputing = f"--recompute {K}"
     if keep_attention:
         recomputing += " --keep-attention"
@@ -428,6 +438,8 @@ def parse_args(argv):
                    help="recompute every K-th block's activations in backward (1: all; 0: none)")
     p.add_argument("--keep-attention", action="store_true",
                    help="recomputed blocks keep attention's output from forward instead of running attention again")
+    p.add_argument("--no-fused-loss", action="store_true",
+                   help="make the logits whole, then cross-entropy (as the course's model does): the lever's cost")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--attn", choices=ATTENTION, help="attention (default: sdpa, the fastest here)")
     p.add_argument("--warmup-ms", type=float_in(0), default=10_000, help="do_bench's warm-up on a GPU (course: 10 s)")
@@ -540,9 +552,10 @@ def run(args, rank, world, device):
         f"{'bf16' if bf16 else 'fp32'}, attention {attn}, {world} process(es)")
     capacity = capacity_of(args, device)
     if rank == 0:
-        predicted = print_prediction(s, world, bf16, args.recompute, args.keep_attention, capacity)
+        predicted = print_prediction(s, world, bf16, args.recompute, args.keep_attention, not args.no_fused_loss,
+                                     capacity)
     else:
-        predicted = predict(s, world, bf16, args.recompute, args.keep_attention)[1]
+        predicted = predict(s, world, bf16, args.recompute, args.keep_attention, not args.no_fused_loss)[1]
     if args.predict:
         return
     if capacity and predicted > capacity:
@@ -552,8 +565,8 @@ def run(args, rank, world, device):
         check_host_memory(world * predicted, f"the step at {s}", "use smaller sizes")
     if world > 1:
         start_process_group(device)
-    model, optimizer, dtype = build(s, attn, args.recompute, args.keep_attention, args.compile, world, bf16, device,
-                                    args.seed, args.lr)
+    model, optimizer, dtype = build(s, attn, args.recompute, args.keep_attention, not args.no_fused_loss, args.compile,
+                                    world, bf16, device, args.seed, args.lr)
     x, y = course_batch(s, rank, world, device, args.seed)
     losses = []
 

@@ -2892,8 +2892,8 @@ def test_leaderboard_model_matches_the_course_and_learns():
     assert got.shape == (2, s.seq, s.vocab) and rel_err(got.double(), want) < 1e-5, rel_err(got.double(), want)
     runs = []
     for recompute in (0, 1):
-        model, optimizer, dtype = lb.build(s, "sdpa", recompute, keep_attention=False, compile_blocks=False,
-                                           world=1, bf16=False, device="cpu", seed=0, lr=3e-3)
+        model, optimizer, dtype = lb.build(s, "sdpa", recompute, keep_attention=False, fused_loss=True,
+                                           compile_blocks=False, world=1, bf16=False, device="cpu", seed=0, lr=3e-3)
         x, y = lb.course_batch(s, 0, 1, "cpu", 0)
         runs.append([gpt.train_step(model, optimizer, x, y, dtype).item() for _ in range(6)])
     losses = runs[0]
@@ -2951,6 +2951,35 @@ def test_leaderboard_kept_attention_is_not_run_again_and_changes_nothing():
     assert kept["activations: attention's outputs kept (--keep-attention)"] == s.layers * (
         4 * tokens * s.d_model + 4 * s.heads * tokens)
     assert plain["activations: attention's outputs kept (--keep-attention)"] == 0
+
+def test_leaderboard_plain_loss_agrees_and_keeps_what_the_model_counts():
+    """--no-fused-loss (the logits made whole, fp32 cross-entropy): the same loss and gradients as the fused output
+    layer and loss; autograd keeps the (N, vocab) fp32 log-probabilities, as predict counts beside the final norm's
+    bytes, where the fused loss keeps none of the vocabulary's width but its dW."""
+    s = lb.Sizes(layers=1, d_model=64, d_ff=172, heads=4, vocab=1000, seq=48, batch=2)
+    x, y = lb.course_batch(s, 0, 1, "cpu", 0)
+    losses, grads = [], []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = lb.TransformerLM(s, gpt.ATTENTION["sdpa"], fused_loss=fused)
+        _, loss = model(x, y)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad for p in model.parameters()])
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    for plain, fused in zip(grads[1], grads[0]):
+        torch.testing.assert_close(plain, fused, rtol=1e-4, atol=1e-6)
+    tokens = s.batch * s.seq
+    head = torch.randn(tokens, s.d_model, requires_grad=True)  # the final norm's output, as the loss reads it
+    kept = gpt.saved_tensor_bytes(lambda: torch.nn.functional.cross_entropy((head @ model.lm_head.weight.t()).float(),
+                                                                            y.flatten()),
+                                  exclude=[model.lm_head.weight, y])
+    # the log-probabilities, the matmul's input, and nll_loss's fp32 total weight (a scalar)
+    assert kept == 4 * tokens * s.vocab + 4 * tokens * s.d_model + 4, kept
+    rows = lb.predict(s, 1, False, 0, fused_loss=False)[0]
+    norm = 4 * tokens * s.d_model  # what the final norm itself keeps (fp32)
+    assert rows["activations: final norm, the loss's fp32 log-probabilities"] == norm + kept - 4
+    assert "activations: final norm, loss's dx and dW" in lb.predict(s, 1, False, 0)[0]
 
 def test_leaderboard_runs_on_one_and_two_cpu_ranks_alike():
     """python leaderboard.py at tiny size prints the memory table, the timer's table and ms per step; two gloo
