@@ -302,7 +302,8 @@ def predict(s, world, bf16, recompute, keep_attention=False, fused_loss=True):
     else:  # (N, vocab) each: the fp32 log-probabilities kept; in backward the gradients of the loss and of the softmax
         activations["activations: final norm, the loss's fp32 log-probabilities"] = ((4 + stream) * tokens * d
                                                                                       + 4 * tokens * s.vocab)
-        loss = max(width + 4, 8) * tokens * s.vocab  # forward: the logits and their fp32 copy; backward: two gradients
+        # backward's two fp32 gradients (of the loss, of the softmax); forward's logits and their fp32 copy are less
+        loss = 8 * tokens * s.vocab
     block = 2 * stream * tokens * d + 2 * width * tokens * s.d_ff  # the stream's gradients, SwiGLU's two
     root = 0
     if fsdp:
