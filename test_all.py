@@ -960,6 +960,23 @@ def test_train_gpu_recompute_fp8_fused_ce_compile():
     assert len(fp16) == 8 and fp16[-1] < fp16[0] - 1, fp16
 
 @gpu
+def test_train_gpu_two_ranks_average_as_one_process():
+    """Data parallel on two GPUs over NCCL (its average, the gradients left as views of the reduced buffer) trains as
+    one GPU does with the whole batch: fp32 eager, and bf16 compiled as one CUDA graph with the kept bf16 weights."""
+    if torch.cuda.device_count() < 2:
+        skip("needs 2 GPUs")
+    tiny = ["--model", "tiny", "--steps", 8, "--seq", 128, "--warmup", 1, "--lr", 3e-3, "--eval-every", 1000]
+    two = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *tiny, "--batch", 2]
+    for extra, tolerance in (([], LAYOUT), (["--bf16", "--compile"], dict(atol=0.05, rtol=0))):
+        one, out_one = train_main(*tiny, "--batch", 4, *extra)
+        out_two = run(*two, *extra, timeout=600).stdout
+        assert "x 2 processes)" in out_two and len(step_values(out_two)) == 8, out_two
+        if extra:
+            assert "bf16 weights kept by the optimizer" in out_two, out_two
+        torch.testing.assert_close(step_values(out_two), one, **tolerance)
+        assert one[-1] < one[0] - 1, out_one
+
+@gpu
 def test_graphed_step_matches_train_step_and_undoes_its_warmup():
     """gpt.GraphedStep replays what train_step computes (fp32, two micro-batches, a new lr each step, the clip), and
     its capture leaves the weights and AdamW's state as they were: training starts at step 0."""
