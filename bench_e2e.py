@@ -594,7 +594,8 @@ def print_sweep(plan, results, device):
     if split:
         print("\nwhere a train step's time goes (paired per round: backward = forward-backward - forward, "
               "optimizer = train - forward-backward; the fused linear-CE computes the output layer's "
-              "gradients in the forward)")
+              "gradients in the forward; noise: the part's median came out below 0, the rounds moving by more than "
+              "it weighs, as a host-bound eager step's do on a busy host: more --rounds, or a quiet host)")
         print_table(["config", "forward ms", "backward ms", "optimizer ms", "train step ms"], split)
     if len(plan.variants) > 1:
         print_variants(plan, results)
@@ -611,7 +612,14 @@ def step_split(times, cell):
         return ["n/a"] * 4
     parts = [f, [b - a for a, b in zip(f, fb)], [c - b for b, c in zip(fb, tr)]]
     total = statistics.median(tr)
-    return [f"{statistics.median(p):.2f} ({100 * statistics.median(p) / total:.0f}%)" for p in parts] + [f"{total:.2f}"]
+    cells = []
+    for part in parts:
+        ms = statistics.median(part)
+        if ms < 0:  # a later mode timed faster than the one it contains: the rounds disagree by more than this part
+            cells.append(f"noise ({ms:.2f})")
+        else:
+            cells.append(f"{ms:.2f} ({100 * ms / total:.0f}%)")
+    return [*cells, f"{total:.2f}"]
 
 def print_variants(plan, results):
     """The course's fp32 against bf16 and eager against compiled: each variant against the first, shape by shape and

@@ -1251,6 +1251,8 @@ def test_bench_e2e_sweep_numbers_profile_cpu_run():
     split = bench_e2e.step_split(times, (50257, 1, 16, "fp32", "eager"))
     assert split[1].startswith(f"{(fb[0] - f[0] + fb[1] - f[1]) / 2:.2f} (")  # paired: per-round differences
     assert split[3] == f"{(tr[0] + tr[1]) / 2:.2f}"
+    faster = {**times, (50257, 1, 16, "fp32", "eager", "train"): [t / 10 for t in f]}  # a train step under its forward
+    assert bench_e2e.step_split(faster, (50257, 1, 16, "fp32", "eager"))[2].startswith("noise (-")
     bench = bench_e2e.build(gpt.make_config("tiny"), {**bench_e2e.FIRST_RUNG, "attn": "naive"}, cpu)
     profs = bench_e2e.profile_steps(bench, 1, 16, cpu, warmup=1, steps=1)
     fwd, step = (bench_e2e.category_times(profs[m], False) for m in ("forward", "train"))
