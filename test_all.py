@@ -978,35 +978,43 @@ def test_train_gpu_two_ranks_average_as_one_process():
 
 @gpu
 def test_graphed_step_matches_train_step_and_undoes_its_warmup():
-    """gpt.GraphedStep replays what train_step computes (fp32, two micro-batches, a new lr each step, the clip), and
-    its capture leaves the weights and AdamW's state as they were: training starts at step 0."""
+    """gpt.GraphedStep replays what train_step computes (fp32, two micro-batches, a new lr each step, the clip; and
+    bf16 with the kept bf16 weights over three micro-batches, summed in fp32 between them), and its capture leaves
+    the weights and AdamW's state as they were: training starts at step 0."""
     config = gpt.make_config("tiny", attn="sdpa", fused_norms=True, fused_bias=True)
-    batches = [[torch.randint(0, 50257, (2, 64), device="cuda") for _ in range(4)] for _ in range(3)]
-    runs = []
-    for graph in (False, True):
-        torch.manual_seed(0)
-        model = gpt.GPT(config).cuda()
-        optimizer = gpt.configure_optimizer(model, 1e-3)
-        first = [p.detach().clone() for p in model.parameters()]
-        step = None
-        if graph:
-            step = gpt.GraphedStep(model, optimizer, batches[0][:2], batches[0][2:], None, 1.0)
-            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), first)), "the warm-up changed the weights"
-            assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in optimizer.state.values())
-        losses = []
-        for i, b in enumerate(batches):
-            lr = 1e-3 * (i + 1)
-            if step is None:
-                loss, _ = gpt.train_step(model, optimizer, b[:2], b[2:], grad_clip=1.0, lr=lr, return_norm=True)
+    for kept in (False, True):
+        micro = 3 if kept else 2
+        dtype = torch.bfloat16 if kept else None
+        batches = [[torch.randint(0, 50257, (2, 64), device="cuda") for _ in range(2 * micro)] for _ in range(3)]
+        runs = []
+        for graph in (False, True):
+            torch.manual_seed(0)
+            model = gpt.GPT(config).cuda()
+            if kept:
+                optimizer = gpt.MasterWeights(model, 1e-3)
             else:
-                loss, _ = step(b[:2], b[2:], lr)
-            losses.append(loss.item())
-        assert optimizer.param_groups[0]["lr"] == lr and not torch.is_tensor(optimizer.param_groups[0]["lr"])
-        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
-    (eager_losses, eager_weights), (graph_losses, graph_weights) = runs
-    torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-5, atol=0)
-    for a, b in zip(graph_weights, eager_weights):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+                optimizer = gpt.configure_optimizer(model, 1e-3)
+            first = [p.detach().clone() for p in model.parameters()]
+            step = None
+            if graph:
+                step = gpt.GraphedStep(model, optimizer, batches[0][:micro], batches[0][micro:], dtype, 1.0)
+                assert all(torch.equal(p, q) for p, q in zip(model.parameters(), first)), "the warm-up changed weights"
+                assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in optimizer.state.values())
+            losses = []
+            for i, b in enumerate(batches):
+                lr = 1e-3 * (i + 1)
+                if step is None:
+                    loss, _ = gpt.train_step(model, optimizer, b[:micro], b[micro:], dtype, grad_clip=1.0, lr=lr,
+                                             return_norm=True)
+                else:
+                    loss, _ = step(b[:micro], b[micro:], lr)
+                losses.append(loss.item())
+            assert optimizer.param_groups[0]["lr"] == lr and not torch.is_tensor(optimizer.param_groups[0]["lr"])
+            runs.append((losses, [p.detach().float().clone() for p in model.parameters()]))
+        (eager_losses, eager_weights), (graph_losses, graph_weights) = runs
+        torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-5, atol=0)
+        for a, b in zip(graph_weights, eager_weights):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 # --- 3. bench_attention.py: sweep through the timer, saved-bytes model, script and plot, OOM, bad input
 
@@ -1215,6 +1223,38 @@ def test_bench_e2e_master_weights_train_as_autocast_bit_for_bit():
         clipped.append((norms, moments))
     assert all(norm > 0.5 for norm in clipped[1][0]), clipped[1][0]  # every step clipped, by 10x or more
     assert max(rel_err(a, b) for a, b in zip(clipped[0][1], clipped[1][1])) < 1e-2
+
+def test_master_weights_add_micro_batches_in_fp32():
+    """Under accumulation the kept bf16 weights' gradients add up in fp32 and round to bf16 once
+    (MasterWeights.hold_gradients): over three micro-batches the gradient AdamW reads is autocast's fp32 sum rounded
+    once, bit for bit, where autograd's bf16 sum (a rounding after every micro-batch) is not."""
+    cpu, config = torch.device("cpu"), gpt.make_config("tiny")
+    plain = {**bench_e2e.FIRST_RUNG, "dtype": torch.bfloat16, "attn": "sdpa", "fused_ce": True}
+    tokens = torch.randint(0, config.vocab_size, (3, 2, 2, 32), generator=torch.Generator().manual_seed(2))
+    xs, ys = list(tokens[:, 0]), list(tokens[:, 1])  # three micro-batches of B=2, T=32
+    read = {}
+    for master in (False, True):
+        bench = bench_e2e.build(config, {**plain, "master": master}, cpu)
+        if master:
+            weights = bench.optimizer.low
+        else:
+            weights = [m.weight for block in bench.model.h for m in block.modules() if type(m) is torch.nn.Linear]
+        step = bench.optimizer.step
+        def spy(weights=weights, step=step, master=master):  # the gradients as the optimizer step reads them
+            read[master] = [w.grad.clone() for w in weights]
+            step()
+        bench.optimizer.step = spy
+        gpt.train_step(bench.model, bench.optimizer, xs, ys, torch.bfloat16)
+    summed_once = [g.to(torch.bfloat16) for g in read[False]]  # autocast's fp32 sum, rounded once
+    assert all(g.dtype == torch.bfloat16 for g in read[True]) and len(read[True]) == 4 * config.n_layer
+    assert all(torch.equal(a, b) for a, b in zip(read[True], summed_once))
+    bench = bench_e2e.build(config, {**plain, "master": True}, cpu)  # autograd's own sum, in bf16
+    for x, y in zip(xs, ys):
+        with gpt.autocast(cpu, torch.bfloat16):
+            loss = bench.model(x, y)[1] / len(xs)
+        loss.backward()
+    in_bf16 = [w.grad for w in bench.optimizer.low]
+    assert not all(torch.equal(a, b) for a, b in zip(in_bf16, summed_once))
 
 def test_bench_e2e_idle_gaps_split_short_and_long():
     """The profile's idle line: gaps between kernels (overlapping kernels leave none) split at 20 us, per step."""

@@ -6,14 +6,14 @@ the block layers wide enough to gain); on by default, the output layer fused wit
 off), each residual add fused with the LayerNorm after it (--no-fused-norms), the MLP's and c_proj's biases added by
 those kernels (--no-fused-bias), cuBLAS without a workspace, so no memset runs before each matmul
 (--cublas-workspace keeps PyTorch's), the tied embedding's gradient added into the fused loss's, AdamW's matrices
-stepped by gpt.py's kernel, with --bf16 (not under --grad-accum) the blocks' weights kept in bf16 by the optimizer,
-cast once a step (--no-master-weights) and, on a GPU in bf16/fp16, flash_triton.py's attention (--attn sdpa for
-SDPA's). The loop never makes the GPU wait: a step's loss is read back while the GPU runs the next. Several GPUs:
-torchrun, data parallel (the gradients averaged after backward by one all-reduce per dtype, the kept bf16 weights'
-in bf16, inside the graph) or --fsdp (FSDP2: weights,
-gradients and optimizer state sharded); --recompute K recomputes every K-th block's activations in backward. Ctrl-C
-saves --ckpt and prints how to resume. --nvtx names each step and its phases for Nsight Systems (nsys profile
---trace=cuda,nvtx). Without CUDA the same command trains `tiny` on a short context.
+stepped by gpt.py's kernel, with --bf16 the blocks' weights kept in bf16 by the optimizer, cast once a step
+(--no-master-weights; micro-batches' gradients summed in fp32) and, on a GPU in bf16/fp16, flash_triton.py's
+attention (--attn sdpa for SDPA's). The loop never makes the GPU wait: a step's loss is read back while the GPU runs
+the next. Several GPUs: torchrun, data parallel (the gradients averaged after backward by one all-reduce per dtype,
+the kept bf16 weights' in bf16, inside the graph) or --fsdp (FSDP2: weights, gradients and optimizer state sharded);
+--recompute K recomputes every K-th block's activations in backward. Ctrl-C saves --ckpt and prints how to resume.
+--nvtx names each step and its phases for Nsight Systems (nsys profile --trace=cuda,nvtx). Without CUDA the same
+command trains `tiny` on a short context.
 
     python train.py --vocab 50304 --bf16 --compile                 # the headline run
     python train.py --vocab 50304 --bf16 --compile --fp8 0         # FP8 in every block (--fp8: >= 2048 wide)
@@ -58,11 +58,10 @@ def graphed(run, device):
 
 def master_weights_apply(run):
     """gpt.MasterWeights: bf16 block weights in the model, fp32 masters in the optimizer, training in bf16, in one
-    process or data parallel (the bf16 gradients all-reduced in bf16, half the bytes of fp32's). Not under
-    accumulation: its micro-batches' gradients would add up in bf16 (on one H200, --grad-accum 2 --batch 8 with them
-    took 32.2 ms a step, without 33.1: a 3% lever, not worth a rounding per micro-batch). Not with FSDP, which keeps
+    process or data parallel (the bf16 gradients all-reduced in bf16, half the bytes of fp32's), with or without
+    accumulation (the micro-batches' gradients summed in fp32, rounded to bf16 once). Not with FSDP, which keeps
     its own fp32 shards, nor FP8, whose Linears cast their own weights."""
-    return run.master_weights and run.bf16 and run.grad_accum == 1 and run.fp8 is None and not run.fsdp
+    return run.master_weights and run.bf16 and run.fp8 is None and not run.fsdp
 
 def build(run, config, state, rank, world, device, log):
     """(raw model, the module the loop calls, optimizer, scaler, first step, read position)."""
@@ -490,7 +489,7 @@ def parse_args(argv):
                    "GELU and add + LayerNorm kernels (fused with the fused norms by default)")
     p.add_argument("--no-master-weights", action="store_true", help="autocast's casts of the fp32 weights every "
                    "step, not bf16 weights kept by the optimizer (gpt.MasterWeights: by default with --bf16, without "
-                   "--grad-accum, --fsdp or --fp8)")
+                   "--fsdp or --fp8)")
     p.add_argument("--no-cuda-graph", action="store_true", help="launch the step's kernels from Python every step, "
                    "not one CUDA graph of the whole step (by default with --compile on a GPU, except fp16 and FSDP)")
     p.add_argument("--cublas-workspace", action="store_true", help="keep cuBLAS's workspace (PyTorch's default; "
