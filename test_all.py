@@ -760,14 +760,19 @@ def test_train_two_nodes_on_one_machine_save_and_resume():
         torch.testing.assert_close(first + second, reference()[0], **LAYOUT)
 
 def test_train_master_weights_resume_exactly_and_share_checkpoints():
-    """--bf16 in one process keeps bf16 weights in the model and fp32 masters in the optimizer (gpt.MasterWeights):
-    stopped and resumed, every loss is the whole run's, and it loses as autocast does; its checkpoint holds the fp32
-    masters as a run without it saves its weights, so either kind of run resumes the other's checkpoint."""
+    """--bf16 in one process keeps bf16 weights in the model and fp32 masters in the optimizer (gpt.MasterWeights),
+    with --grad-accum too: stopped and resumed, every loss is the whole run's, and it loses as autocast does; its
+    checkpoint holds the fp32 masters as a run without it saves its weights, so either kind of run resumes the
+    other's checkpoint."""
     bf16 = [*TINY, "--bf16"]
     whole, out = train_main(*bf16)
     autocast, out_autocast = train_main(*bf16, "--no-master-weights")
     assert "bf16 weights kept by the optimizer |" in out and "kept by the optimizer" not in out_autocast, out
     torch.testing.assert_close(whole, autocast, atol=1e-3, rtol=0)  # the same math: the clip's norm summed apart
+    accumulated = [*bf16, "--grad-accum", 3]  # kept under accumulation too, the micro-batches summed in fp32
+    kept, out_kept = train_main(*accumulated)
+    assert "bf16 weights kept by the optimizer |" in out_kept and "accum 3" in out_kept, out_kept
+    torch.testing.assert_close(kept, train_main(*accumulated, "--no-master-weights")[0], atol=1e-3, rtol=0)
     with tempfile.TemporaryDirectory() as tmp:
         first = train_main(*bf16, "--ckpt", f"{tmp}/m.pt", "--stop-after", 3)[0]
         state = torch.load(f"{tmp}/m.pt", weights_only=True)
