@@ -6,8 +6,8 @@ the block layers wide enough to gain); on by default, the output layer fused wit
 off), each residual add fused with the LayerNorm after it (--no-fused-norms), the MLP's and c_proj's biases added by
 those kernels (--no-fused-bias), cuBLAS without a workspace, so no memset runs before each matmul
 (--cublas-workspace keeps PyTorch's), the tied embedding's gradient added into the fused loss's, AdamW's matrices
-stepped by gpt.py's kernel, with --bf16 the blocks' weights kept in bf16 by the optimizer, cast once a step
-(--no-master-weights; micro-batches' gradients summed in fp32) and, on a GPU in bf16/fp16, flash_triton.py's
+stepped by gpt.py's kernel, with --bf16 the blocks' weights kept in bf16 by the optimizer, cast once a step,
+micro-batches' gradients summed in fp32 (--no-master-weights) and, on a GPU in bf16/fp16, flash_triton.py's
 attention (--attn sdpa for SDPA's). The loop never makes the GPU wait: a step's loss is read back while the GPU runs
 the next. Several GPUs: torchrun, data parallel (the gradients averaged after backward by one all-reduce per dtype,
 the kept bf16 weights' in bf16, inside the graph) or --fsdp (FSDP2: weights, gradients and optimizer state sharded);
