@@ -540,9 +540,9 @@ def fresh_compiler(plan):
     shapes = len(plan.vocab) * len(plan.batch) * len(plan.seq) * len(plan.precisions)
     torch._dynamo.config.recompile_limit = max(8, shapes)
 
-def run_sweep(plan, configs, device):
-    """One gpt.time_rounds per model: its cells' speed-ups are paired."""
-    results = []
+def run_sweep(plan, configs, device, results):
+    """One gpt.time_rounds per model: its cells' speed-ups are paired. Each model's result goes into results as it
+    finishes, so that an interrupted sweep can still print the models done."""
     for name, config in configs:
         fresh_compiler(plan)
         variants = sweep_cells(name, config, plan, device)
@@ -551,7 +551,6 @@ def run_sweep(plan, configs, device):
         results.append((name, times, summarize(times, peaks=peaks)))
         del variants  # and the models with them
         free_memory()
-    return results
 
 def sweep_line(configs, plan, profiled):
     """The sweep's size, said before it starts; with --profile, how many configurations follow."""
@@ -1252,7 +1251,15 @@ def main(argv=None):
             return
         what = "the sweep"
         print(sweep_line(configs, plan, profiled))
-        summary = print_sweep(plan, run_sweep(plan, configs, device), device)
+        results = []
+        try:
+            run_sweep(plan, configs, device, results)
+        except KeyboardInterrupt:
+            if results:  # a long sweep stopped at its last model (say, a 2.7B compile) keeps the models it timed
+                print(f"\nthe {len(results)} of {len(configs)} models timed before the interrupt:", flush=True)
+                print_sweep(plan, results, device)
+            raise
+        summary = print_sweep(plan, results, device)
         if len(plan.vocab) > 1:
             what = "the output-GEMM benchmark"
             set_tf32(plan.tf32)

@@ -1168,7 +1168,9 @@ def test_precision_gpu_sections_and_fp8_gemms():
 
 def sweep(device, **kw):  # bench_e2e.run_sweep of the tiny model: (times, stats) by (vocab, B, T, fp32, eager, mode)
     plan = bench_e2e.Plan(**{**dict(vocab=[50257], batch=[1, 2], seq=[16], modes=bench_e2e.MODES, rounds=2), **kw})
-    return bench_e2e.run_sweep(plan, [("tiny", gpt.make_config("tiny"))], device)[0][1:]
+    results = []
+    bench_e2e.run_sweep(plan, [("tiny", gpt.make_config("tiny"))], device, results)
+    return results[0][1:]
 
 def rung_losses(config, x, y, device):  # every rung that runs here trains the same model: same seed, batch, loss
     return [bench_e2e.run_step("train", bench_e2e.build(config, s, device), x, y).item()
@@ -1367,6 +1369,23 @@ def test_bench_e2e_profile_every_configuration_cpu():
         f"t/e2e_{m}_T{T}_{p}.json" for m in ("small", "2.7B") for T in (128, 256) for p in ("fp32", "bf16")]
     one = bench_e2e.Plan(vocab=[50257], batch=[4], seq=[128], modes=("train",), precisions=("bf16",))
     assert bench_e2e.trace_paths("t/e2e.json", [("small", config)], one) == ["t/e2e.json"]  # the name as given
+
+def test_bench_e2e_interrupted_sweep_prints_the_models_it_finished():
+    """SIGTERM while the second model is timed: the first model's table is printed, then the line that says where the
+    sweep stopped; exit 143, no traceback."""
+    proc = popen("bench_e2e.py", "--device", "cpu", "--model", "tiny,small", "--batch", 2, "--seq", 128, "--mode",
+                 "train", "--rounds", 3, stderr=subprocess.STDOUT)
+    watchdog = threading.Timer(120, proc.kill)  # a marker that never comes fails the test instead of hanging it
+    watchdog.start()
+    head = next((line for line in iter(proc.stdout.readline, "") if line.startswith("small: timing")), None)
+    proc.send_signal(signal.SIGTERM)  # small's warm-up step alone takes seconds here
+    out = proc.communicate(timeout=60)[0]
+    watchdog.cancel()
+    rows = [line.split()[:2] for line in out.splitlines() if line.startswith(("tiny ", "small "))]
+    assert head and proc.returncode == 143 and "Traceback" not in out, (proc.returncode, out[-2000:])
+    assert "the 1 of 2 models timed before the interrupt:" in out and rows == [["tiny", "50257"]], out[-2000:]
+    assert out.strip().splitlines()[-1].endswith("the 1 table(s) above are complete, the rest did not finish"), out
+
 
 def test_bench_e2e_precision_compile_sweep_cpu():
     """--precisions and --compile-modes: every cell in each variant, in the same rounds, and a table of each variant
@@ -2894,6 +2913,15 @@ def test_runner_into_a_closed_pipe_ends_quietly():
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, (proc.returncode, err)
 
 
+def test_isolated_test_that_cannot_run_is_skipped_not_failed():
+    """A CUDA test runs in its own process; one that cannot run there (two GPUs on a one-GPU machine, or none)
+    exits SKIPPED_EXIT with its reason, and the runner counts it as skipped, not failed."""
+    if torch.cuda.device_count() >= 2:
+        skip("this machine has two GPUs: the two-GPU test would run")
+    name, code, _, output = run_isolated("test_train_gpu_two_ranks_average_as_one_process", env())
+    assert code == SKIPPED_EXIT and output.strip().splitlines()[-1] == "needs 2 GPUs", (code, output)
+
+
 def test_signal_test_skipped_with_its_reason_where_sigint_is_ignored():
     """Started with SIGINT ignored (a background job of a script, here `trap '' INT`), the signal test says why it
     cannot run in one line and counts as skipped, at once, instead of waiting for scripts that ignore Ctrl-C."""
@@ -3125,7 +3153,9 @@ def run_isolated(name, environment):
     start = time.time()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--isolated", name], cwd=HERE, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environment)
-    return name, proc.returncode == 0, time.time() - start, proc.stdout
+    return name, proc.returncode, time.time() - start, proc.stdout
+
+SKIPPED_EXIT = 3  # an isolated test that raised Skipped exits with this: neither passed nor failed
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -3134,6 +3164,9 @@ def main(argv=None):
     if argv[:1] == ["--isolated"]:  # run_isolated's child: one test, its traceback, exit 1 if it failed
         try:
             dict(tests)[argv[1]]()
+        except Skipped as e:
+            print(e)  # the reason, for the runner's SKIP line
+            sys.exit(SKIPPED_EXIT)
         except Exception:
             traceback.print_exc()
             sys.exit(1)
@@ -3179,7 +3212,12 @@ def main(argv=None):
             printed = output.getvalue()[-3000:]
             print(f"FAIL {name} ({time.time() - start:.1f}s)\n{printed}{traceback.format_exc()}", flush=True)
     for done in as_completed(isolated):
-        name, ok, seconds, output = done.result()
+        name, code, seconds, output = done.result()
+        if code == SKIPPED_EXIT:
+            cannot_run += 1
+            print(f"SKIP {name}: {output.strip().splitlines()[-1]} (own process)", flush=True)
+            continue
+        ok = code == 0
         passed, failed = passed + ok, failed + (not ok)
         report = "" if ok else "\n" + output[-6000:]
         print(f"{'PASS' if ok else 'FAIL'} {name} ({seconds:.1f}s, own process){report}", flush=True)
