@@ -654,7 +654,10 @@ class BiasGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h0, b):
         ctx.save_for_backward(h0, b)
-        return F.gelu(h0.float() + b, approximate="tanh").to(h0.dtype)
+        g = F.gelu(h0.float() + b, approximate="tanh")
+        if g.dtype != h0.dtype:  # no .to() in fp32: torch.compile (2.11) handed backward a zero dg for an output
+            g = g.to(h0.dtype)  # that .to() returned as it was, and c_fc's gradients came out 0
+        return g
 
     @staticmethod
     def backward(ctx, dg):

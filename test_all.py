@@ -394,6 +394,28 @@ print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
 def test_fused_bias_gpu_matches_plain_bf16():
     matches_plain(fused_bias, "cuda", torch.bfloat16, 3e-2)
 
+@gpu
+def test_compiled_gradients_match_eager_gpu():
+    """torch.compile of the model with train.py's fused kernels (loss, norms, bias) gives eager's gradients,
+    in fp32 and under bf16 autocast: in fp32, a .to() that changed nothing in BiasGelu's forward once made compile
+    drop the MLP's gradient (c_fc's came out 0)."""
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.make_config("tiny", attn="sdpa", fused_norms=True, fused_bias=True)).cuda()
+    idx = torch.randint(0, gpt.GPT2_VOCAB, (2, 128), device="cuda")
+    for dtype, tol in ((None, 1e-4), (torch.bfloat16, 3e-2)):
+        torch._dynamo.reset()
+        found = []
+        for runner in (model, gpt.compile_model(model)):
+            model.zero_grad(set_to_none=True)
+            with gpt.autocast("cuda", dtype):
+                _, loss = runner(idx, idx)
+            loss.backward()
+            found.append({n: torch.zeros_like(p) if p.grad is None else p.grad.float()
+                          for n, p in model.named_parameters()})
+        for name, ref in found[0].items():
+            err = rel_err(found[1][name], ref)
+            assert err < tol, f"{dtype}: {name}: relative error {err:.2e}"
+
 def attention_matches_naive(impl, device, dtype, tol):
     """A tiny GPT's logits and gradients with attention `impl` = naive attention's; False if impl cannot run here."""
     results = {}
