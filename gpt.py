@@ -1393,7 +1393,10 @@ def time_rounds(variants, device, rounds=20, steps=3, warmup=2, sync=None, progr
     names, times, peaks = list(variants), {}, {}
     for i, name in enumerate(names):
         times[name] = None
-        PROGRESS["timer"] = f"warming up variant {i + 1} of {len(names)} ({name})"
+        label = name
+        if isinstance(name, tuple):  # bench_e2e's cells: (vocab, batch, seq, precision, compile mode, mode)
+            label = " ".join(map(str, name))
+        PROGRESS["timer"] = f"warming up variant {i + 1} of {len(names)} ({label})"
         try:
             if cuda:
                 synchronize(device)
