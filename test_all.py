@@ -3183,7 +3183,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     tests = [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]
     cuda = {n for n, f in tests if getattr(f, "needs_cuda", False)}
-    if argv[:1] == ["--isolated"]:  # run_isolated's child: one test, its traceback, exit 1 if it failed
+    if argv[:1] == ["--isolated"]:  # run_isolated's child: one test; exit 1 and its traceback if it failed,
+        # SKIPPED_EXIT and the reason if it cannot run here
         try:
             dict(tests)[argv[1]]()
         except Skipped as e:
