@@ -1156,8 +1156,8 @@ def ratio_spreads(every, kind="ratio"):
     for label in every[0]:
         ratios = []
         for rows in every:
-            row = rows.get(label, {"oom": True})
-            if not row["oom"]:
+            row = rows.get(label)  # None: the variant did not run in this launch
+            if row is not None and not row["oom"]:
                 ratios.append(row["timing"]["ratio"] if kind == "ratio" else row["fastest"])
         if label == LABELS["torch"] or len(ratios) < len(every) or None in ratios:
             continue
