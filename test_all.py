@@ -343,7 +343,8 @@ def matches_plain(switch, device, dtype, tol):
 def test_fused_norms_match_plain_and_kernels_match_torch():
     """The fused norms' loop (GPT.fused_norm_blocks) runs the model Block.forward runs (CPU, fp32: the same ops, so
     equal); the add + LayerNorm kernels (CUDA's path; here interpreted) = PyTorch's add and layer_norm, forward and
-    backward, with a ragged last program (37 rows) and a ragged row (96 of 128 lanes)."""
+    backward, with a ragged last program (37 rows) and a ragged row (96 of 128 lanes), at both of backward's tiles
+    (ln_bwd_rows: 8 rows a program below ADD_LN_BWD_FEW_ROWS rows, 16 from there)."""
     matches_plain(fused_norms, "cpu", None, 1e-6)
     assert "kernel ok" in run("-c", r"""
 import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
@@ -356,14 +357,15 @@ with torch.no_grad():  # not the identity LayerNorm a new module is
     norm.bias.add_(0.1 * torch.randn(C, generator=gen))
 dr, dh = torch.randn(N, C, generator=gen), torch.randn(N, C, generator=gen)  # the stream's and LN's gradients
 y_bias = (0.1 * torch.randn(C, generator=gen)).requires_grad_()  # c_proj's, with GPTConfig.fused_bias
-for yb in (None, y_bias):
+for yb, few_rows in ((None, gpt.ADD_LN_BWD_FEW_ROWS), (y_bias, gpt.ADD_LN_BWD_FEW_ROWS), (y_bias, 0)):
+    gpt.ADD_LN_BWD_FEW_ROWS = few_rows  # 0: N rows count as many, so backward takes 16 rows a program
     inputs = [t for t in (x, y, yb, norm.weight, norm.bias) if t is not None]
     results = []
     for r, h in (gpt.add_layer_norm(x, y, norm, torch.float32, yb),
                  gpt.AddLayerNorm.apply(x, y, yb, norm.weight, norm.bias, norm.eps, torch.float32)):
         results.append([r, h, *torch.autograd.grad((r, h), inputs, (dr, dh))])
     for i, (want, got) in enumerate(zip(*results)):
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (yb is None, i, (got - want).abs().max())
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (yb is None, few_rows, i, (got - want).abs().max())
 print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
 
 @gpu
@@ -380,7 +382,7 @@ def test_fused_bias_matches_plain_and_kernel_matches_torch():
     assert "kernel ok" in run("-c", r"""
 import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
 gen = torch.Generator().manual_seed(0)
-h0 = torch.randn(70, 1100, generator=gen).requires_grad_()  # 70 rows of 1,100: ragged against 32 x 1,024 tiles
+h0 = torch.randn(70, 1100, generator=gen).requires_grad_()  # 70 rows of 1,100: ragged against 16 x 1,024 tiles
 b = (0.1 * torch.randn(1100, generator=gen)).requires_grad_()
 dg = torch.randn(70, 1100, generator=gen)
 want = torch.nn.functional.gelu(h0 + b, approximate="tanh")
