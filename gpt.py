@@ -494,18 +494,17 @@ def linear_cross_entropy(x, weight, targets, chunk_rows=None, n_valid=None):
 # 59 us (16 rows and 4 warps: 61; its 12 bytes an element take 50 us at 3.0 TB/s); backward 80 us (16 rows and
 # 4 warps: 97; its 16 bytes: 67 us). Backward, one warp a program: more of them fit on each SM at once.
 ADD_LN_FWD_TILE, ADD_LN_BWD_TILE = (4, 4), (16, 1)
-# Backward with fewer rows (a smaller micro-batch: --grad-accum 2 --batch 8 gives 8,192), 16 rows a program leaves
-# too few programs (512) to fill the GPU: searched again on an H200 over 2-32 rows and 1-4 warps, the Function's
-# backward at 8,192 rows took 42 us with 8 rows a program against 53 with 16; at 16,384 rows 16 stay best (70 us,
-# 8 rows: 75). So below 16,384 rows, half the rows a program (ln_bwd_rows).
-ADD_LN_BWD_FEW_ROWS = 16384
+# Both backward kernels' tiles (this one's and bias-GELU's below) were searched at gpt2's 16,384 rows (B=16, T=1,024).
+# At 8,192 (--grad-accum 2 --batch 8), searched again on an H200 (each Function's backward, CUDA-graphed), half the
+# rows a program is faster: add + LayerNorm 42 us with 8 rows against 53 with 16 (at 16,384 rows: 75 against 70);
+# bias-GELU 56 us with 16 rows against 67 with 32 (at 16,384: 98 both). So below 16,384 rows, half (backward_rows).
+FULL_TILE_ROWS = 16384
 
 
-def ln_bwd_rows(n_rows):
-    """Rows a program for _add_layer_norm_bwd: ADD_LN_BWD_TILE's, halved below ADD_LN_BWD_FEW_ROWS rows."""
-    rows = ADD_LN_BWD_TILE[0]
-    if n_rows < ADD_LN_BWD_FEW_ROWS:
-        rows = max(1, rows // 2)
+def backward_rows(n_rows, rows):
+    """Rows a program for a backward kernel whose tile has `rows` at FULL_TILE_ROWS rows or more: half below."""
+    if n_rows < FULL_TILE_ROWS:
+        return max(1, rows // 2)
     return rows
 
 
@@ -597,7 +596,8 @@ class AddLayerNorm(torch.autograd.Function):
     def backward(ctx, dr_in, dh):
         r, weight, mean, rstd = ctx.saved_tensors
         N, C = r.shape
-        rows, warps = ln_bwd_rows(N), ADD_LN_BWD_TILE[1]
+        rows, warps = ADD_LN_BWD_TILE
+        rows = backward_rows(N, rows)
         grid = ((N + rows - 1) // rows,)  # (triton.cdiv costs microseconds a call on the host in newer Triton)
         dr, dy = torch.empty_like(r), torch.empty(N, C, device=r.device, dtype=ctx.y_dtype)
         n_sums = 3 if ctx.has_bias else 2  # dw, db (and y's bias gradient)
@@ -625,9 +625,9 @@ def add_layer_norm(x, y, norm, out_dtype, y_bias=None):
 # c_fc's bias and GELU: forward, g = gelu(h0 + b) in PyTorch's ops (Inductor fuses them into one kernel); backward,
 # one kernel reads GELU's output gradient and h0, writes h0's gradient dh = dg * gelu'(h0 + b) and per-program
 # column sums of dh, the bias gradient, instead of a second read of dh (100 MB a layer in gpt2's step) for it.
-# (rows, columns, warps) a program, searched on an H200 over 4-64 rows, 256-2048 columns and 2-8 warps: at
-# gpt2's 16,384 rows 98 us (32 rows: 98 too), at 8,192 rows 56 us (32 rows: 67).
-BIAS_GELU_TILE = (16, 1024, 4)
+# (rows, columns, warps) a program, as first written; searched on an H200 over 4-64 rows, 256-2048 columns and 2-8
+# warps, no tile beats it at 16,384 rows (98 us); below that backward_rows halves its rows (see add + LayerNorm's).
+BIAS_GELU_TILE = (32, 1024, 4)
 
 # GPT-2's GELU's derivative in Triton, for this kernel's backward
 GELU_K = tl.constexpr(1.5957691216057308)  # 2 * sqrt(2 / pi): GPT-2's tanh GELU is x * sigmoid(2u)
@@ -679,6 +679,7 @@ class BiasGelu(torch.autograd.Function):
         h0, b = ctx.saved_tensors
         N, width = h0.shape
         rows, cols, warps = BIAS_GELU_TILE
+        rows = backward_rows(N, rows)
         grid = ((N + rows - 1) // rows, (width + cols - 1) // cols)
         dh = torch.empty_like(h0)
         parts = torch.empty(grid[0], width, device=h0.device, dtype=torch.float32)

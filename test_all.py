@@ -344,7 +344,7 @@ def test_fused_norms_match_plain_and_kernels_match_torch():
     """The fused norms' loop (GPT.fused_norm_blocks) runs the model Block.forward runs (CPU, fp32: the same ops, so
     equal); the add + LayerNorm kernels (CUDA's path; here interpreted) = PyTorch's add and layer_norm, forward and
     backward, with a ragged last program (37 rows) and a ragged row (96 of 128 lanes), at both of backward's tiles
-    (ln_bwd_rows: 8 rows a program below ADD_LN_BWD_FEW_ROWS rows, 16 from there)."""
+    (backward_rows: 8 rows a program below FULL_TILE_ROWS rows, 16 from there)."""
     matches_plain(fused_norms, "cpu", None, 1e-6)
     assert "kernel ok" in run("-c", r"""
 import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
@@ -357,15 +357,15 @@ with torch.no_grad():  # not the identity LayerNorm a new module is
     norm.bias.add_(0.1 * torch.randn(C, generator=gen))
 dr, dh = torch.randn(N, C, generator=gen), torch.randn(N, C, generator=gen)  # the stream's and LN's gradients
 y_bias = (0.1 * torch.randn(C, generator=gen)).requires_grad_()  # c_proj's, with GPTConfig.fused_bias
-for yb, few_rows in ((None, gpt.ADD_LN_BWD_FEW_ROWS), (y_bias, gpt.ADD_LN_BWD_FEW_ROWS), (y_bias, 0)):
-    gpt.ADD_LN_BWD_FEW_ROWS = few_rows  # 0: N rows count as many, so backward takes 16 rows a program
+for yb, full in ((None, gpt.FULL_TILE_ROWS), (y_bias, gpt.FULL_TILE_ROWS), (y_bias, 0)):
+    gpt.FULL_TILE_ROWS = full  # 0: N rows count as many, so backward takes the whole tile's 16 rows a program
     inputs = [t for t in (x, y, yb, norm.weight, norm.bias) if t is not None]
     results = []
     for r, h in (gpt.add_layer_norm(x, y, norm, torch.float32, yb),
                  gpt.AddLayerNorm.apply(x, y, yb, norm.weight, norm.bias, norm.eps, torch.float32)):
         results.append([r, h, *torch.autograd.grad((r, h), inputs, (dr, dh))])
     for i, (want, got) in enumerate(zip(*results)):
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (yb is None, few_rows, i, (got - want).abs().max())
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (yb is None, full, i, (got - want).abs().max())
 print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
 
 @gpu
@@ -375,21 +375,24 @@ def test_fused_norms_gpu_match_plain_bf16():
 def test_fused_bias_matches_plain_and_kernel_matches_torch():
     """The biases added by the fused kernels (GPTConfig.fused_bias: c_proj's by the add + LayerNorm, c_fc's by
     bias_gelu) train the model the matmuls' biases train (CPU, fp32); the GELU-backward kernel that sums c_fc's bias
-    gradient (CUDA's path; here interpreted) = PyTorch's GELU and sum, forward and backward, ragged both ways; and
-    the flag asks for what it needs."""
+    gradient (CUDA's path; here interpreted) = PyTorch's GELU and sum, forward and backward, ragged both ways, at
+    both of backward's tiles (16 and 32 rows a program: gpt.backward_rows); and the flag asks for what it needs."""
     matches_plain(fused_bias, "cpu", None, 1e-6)
     assert_raises("fused_bias needs fused_norms", gpt.make_config, "tiny", fused_bias=True)
     assert "kernel ok" in run("-c", r"""
 import torch, gpt, flash_triton  # flash_triton: the interpreter fix for triton <= 3.6
 gen = torch.Generator().manual_seed(0)
-h0 = torch.randn(70, 1100, generator=gen).requires_grad_()  # 70 rows of 1,100: ragged against 16 x 1,024 tiles
+h0 = torch.randn(70, 1100, generator=gen).requires_grad_()  # 70 rows of 1,100: ragged against 16 or 32 x 1,024
 b = (0.1 * torch.randn(1100, generator=gen)).requires_grad_()
 dg = torch.randn(70, 1100, generator=gen)
 want = torch.nn.functional.gelu(h0 + b, approximate="tanh")
-got = gpt.BiasGelu.apply(h0, b)
-assert (got - want).abs().max() <= 1e-6 * want.abs().max()
-for name, w, g in zip(("dh", "db"), torch.autograd.grad(want, (h0, b), dg), torch.autograd.grad(got, (h0, b), dg)):
-    assert (g - w).abs().max() <= 1e-5 * w.abs().max(), (name, (g - w).abs().max())
+want_grads = torch.autograd.grad(want, (h0, b), dg)
+for full in (gpt.FULL_TILE_ROWS, 0):
+    gpt.FULL_TILE_ROWS = full  # 0: 70 rows count as many, so backward takes the whole tile's 32 rows a program
+    got = gpt.BiasGelu.apply(h0, b)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    for name, w, g in zip(("dh", "db"), want_grads, torch.autograd.grad(got, (h0, b), dg)):
+        assert (g - w).abs().max() <= 1e-5 * w.abs().max(), (full, name, (g - w).abs().max())
 print("kernel ok")""", timeout=120, TRITON_INTERPRET="1").stdout
 
 @gpu
