@@ -953,7 +953,7 @@ def print_profile(profs, bench, B, T, steps, device, trace, bandwidth, top=10):
     if cuda:
         short, long, count = idle_gaps(profs["train"], steps)
         print(f"idle between kernels: {short:.2f} ms a step in gaps under 20 us (launch latency), {long:.2f} ms in "
-              f"{count:g} longer gaps a step (the GPU waiting for the CPU)")
+              f"{count:.1f} longer gaps a step (the GPU waiting for the CPU)")
     if bench.config.attn == "naive":
         rows = naive_attention_rows(profs["forward"], bench.config, B, T, steps, cuda, bench.dtype)
         print(f"\nnaive attention, forward, all {bench.config.n_layer} layers: each stage's time against its work")
