@@ -1500,9 +1500,10 @@ def add_step_flags(p):
     p.add_argument("--model", help="preset (default xl on GPU, tiny on CPU)")
     p.add_argument("--batch", type=int_in(1), help="sequences per rank (default 4; 2 on CPU)")
     p.add_argument("--seq", type=int_in(1), help="context length (default 512; 32 on CPU)")
-    p.add_argument("--vocab", type=int_in(1), default=50304, help="vocabulary, padded to a multiple of 128")
+    p.add_argument("--vocab", type=int_in(1), default=50304,
+                   help="vocabulary size (default 50304: GPT-2's 50,257 padded to a multiple of 128)")
     p.add_argument("--rounds", type=int_in(1),
-                   help="interleaved rounds (default 30, 2 on CPU: with 8, ratios moved 12%%)")
+                   help="interleaved rounds (default 30; 2 on CPU)")
     p.add_argument("--warmup", type=int_in(1), help="untimed steps per variant first (default 3; 1 on CPU)")
     p.add_argument("--steps", type=int_in(1), default=2, help="steps per variant per round")
 

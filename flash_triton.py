@@ -1056,7 +1056,7 @@ KERNELS = {"fwd": _attn_fwd_kernel, "dkdv": _attn_dkdv_kernel, "dq": _attn_dq_ke
 # The passes that run as Gluon kernels (section 5) past SHORT_SEQ tokens, per head dim, each where it measured
 # faster than its Triton kernel (the pass alone, do_bench, 5 repeats, H200): dQ 0.94x at S16384 D64,
 # 0.85x at B4 S4096 D128, 0.93x at S16384 D128; dK/dV 0.91x and 0.95x at those two. At S16384 D64 dK/dV lost
-# (1.03-1.07x) while P^T and dS^T went through shared memory; from registers it takes 0.90x Triton's time there,
+# (1.03-1.08x) while P^T and dS^T went through shared memory; from registers it takes 0.87-0.90x Triton's time there,
 # and 0.94x its own earlier time at D128 (H100, 3 interleaved repeats). At GPT-2's 1,024 tokens the passes take
 # 0.92x and 0.84x the GPU time, but launching a Gluon kernel (its descriptors built, its arguments specialized: no
 # compiled launcher kept) costs the host more than that: called, forward+backward took 0.424 ms against 0.360 (H100).
@@ -1111,8 +1111,9 @@ def _use_tma(*tensors):  # fp32 keeps the exact-dot path; torch.compile's tracin
 
 
 def _gluon_passes(q4, n, *tensors):
-    """The passes ("fwd", "dq", "dkdv") that run as Gluon kernels: on a Hopper GPU, for 16-bit inputs of a head dim in
-    GLUON_PASSES longer than SHORT_SEQ tokens whose tensors TMA can address, when not traced by torch.compile."""
+    """The passes ("fwd", "dq", "dkdv", "bwd") that run as Gluon kernels: on a Hopper GPU, for 16-bit inputs of a
+    head dim in GLUON_PASSES longer than SHORT_SEQ tokens whose tensors TMA can address, when not traced by
+    torch.compile."""
     if not GLUON or q4.dtype not in GLUON_DTYPES or q4.shape[-1] not in GLUON_PASSES or n <= SHORT_SEQ:
         return ()
     if torch.compiler.is_compiling() or not all(map(_aligned, tensors)):
@@ -1189,7 +1190,7 @@ class Launch:
 # tiles, grids and arguments other than tensors, each compiled kernel) is worked out on a layout's first call and
 # kept under a key of exactly those values and each input's 16-byte alignment (Triton specializes a pointer on it):
 # any value that changes, changes the key. A later call allocates its outputs and launches. At GPT-2's shape the
-# kernels take ~0.37 ms a forward+backward; working it all out again at every call cost the host 0.25-0.32 ms
+# kernels take ~0.37 ms a forward+backward; working it all out again at every call cost the host 0.25-0.43 ms
 # more (section 7's host table, H100), enough to leave the GPU waiting. Plans hold the tables' choices: clear
 # PLANS after changing GLUON or a table.
 PLANS = {}  # _plan_key(...) -> Plan

@@ -93,7 +93,7 @@ def check_config(config):
         raise ValueError("--attn triton runs flash_triton.py's kernels, and there is no flash_triton.py next to "
                          "gpt.py: copy it there, or choose another --attn")
     if not 0 <= config.recompute <= config.n_layer:
-        raise ValueError(f"--recompute {config.recompute} must be between 1 and the {config.n_layer} layers")
+        raise ValueError(f"--recompute {config.recompute} must be between 0 (none) and the {config.n_layer} layers")
     if config.fused_bias and not config.fused_norms:
         raise ValueError("fused_bias needs fused_norms: the add + LayerNorm kernels add c_proj's biases")
     return config
@@ -809,8 +809,8 @@ class AdamW(torch.optim.AdamW):
 
 
 # --- 7. bf16 weights kept by the optimizer, cast once a step: on an H100 (gpt2, B=16, CUDA graphs) a step 0.66 ms
-# shorter than with autocast's casts. Off: train.py --no-master-weights (on by default with --bf16 in one process,
-# without --grad-accum or --fp8).
+# shorter than with autocast's casts. Off: train.py --no-master-weights (on by default with --bf16, one process or data
+# parallel, with or without --grad-accum; not with --fsdp or --fp8).
 
 class MasterWeights:
     """Weights cast once, where they change: an optimizer (step, zero_grad, param_groups) for a model whose
@@ -826,7 +826,7 @@ class MasterWeights:
     full_state and load_full_state, in an autocast run's layout. Data parallel, average_gradients all-reduces the
     bf16 gradients in bf16. Under accumulation the micro-batches' bf16 gradients add up in fp32 and round to bf16
     once, as one batch's would (hold_gradients). On an H100 (gpt2, B=16, CUDA graphs, traced) a step
-    takes 0.66 ms less than the same step with autocast's casts (bench_e2e.py's ladder, its last two rungs)."""
+    takes 0.66 ms less than the same step with autocast's casts (bench_e2e.py's ladder, rungs 14 and 15)."""
 
     def __init__(self, model, lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8):
         self.names, self.low, self.masters, self.moments = [], [], [], []
@@ -1052,10 +1052,10 @@ def adamw(params, lr, weight_decay=0.1, betas=(0.9, 0.95), matrix_kernel=True):
     return optimizer(groups, lr=lr, betas=betas, fused=all(p.is_cuda for p in params))
 
 
-def compile_model(model, cuda_graphs=False):
-    """torch.compile; CUDA graphs only on one GPU without gradient accumulation (a replay overwrites the grads).
-    PDL lets a kernel's prologue start while the one before it finishes."""
-    return torch.compile(model, options={"triton.cudagraphs": cuda_graphs, "triton.enable_pdl": True})
+def compile_model(model):
+    """torch.compile with PDL: a kernel's prologue starts while the one before it finishes. Inductor's own CUDA
+    graphs stay off: GraphedStep captures the whole step, micro-batches and optimizer included."""
+    return torch.compile(model, options={"triton.cudagraphs": False, "triton.enable_pdl": True})
 
 
 def fully_shard_gpt(model, param_dtype=None, blocks=None, cast_inputs=True):
@@ -1193,7 +1193,7 @@ class GraphedStep:
     """train_step captured once in a CUDA graph and replayed every step: all its micro-batches' forwards and
     backwards, the all-reduce, the clip and AdamW are queued by one call, graph.replay(), where otherwise the host
     launches each of their kernels from Python. A compiled gpt2 step without a graph is host-bound: on an H200,
-    two micro-batches of 8 took 53.5 ms where one of 16 took 31 ms with CUDA graphs, 33.4 ms as one graph.
+    two micro-batches of 8 took 53.5 ms where one of 16 took 31 ms with CUDA graphs; as one graph, 32.2-32.3 ms.
 
     A replay runs the captured kernels on the captured addresses, so everything a step reads must stay in place:
     the batch is copied into buffers the graph reads; the learning rate is a GPU tensor that AdamW's kernels read

@@ -342,7 +342,7 @@ def print_prediction(s, world, bf16, recompute, keep_attention, fused_loss, capa
     print_table([f"memory per rank, {unit} ({layout}, {all_params(s):,} parameters)", "no recompute", recomputing],
                 table)
     print("an estimate from tensor sizes as autograd saves them on the CPU; allocated bytes, not reserved. The GPU's "
-          "fused kernels save less: the 8B step on two H200s peaked 7% under its prediction eager, 11% compiled")
+          "fused kernels save less: the 8B step on two H200s peaked 7% under its prediction eager, 9-10% compiled")
     peak = peak_without
     if recompute:
         peak = peak_k

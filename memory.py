@@ -524,10 +524,10 @@ def print_breakdown(pred, peaks=None):
 # What torch.compile saves is decided by its partitioner; saved_per_layer(compiled=True) models it from one compiled
 # block's forward graph. Every check of that model against the allocator (|predicted / measured - 1|, torch 2.11):
 COMPILED_CHECKS = [
-    ("H100", "2.7B FSDP, 4 ranks of train.py", 0.9),
-    ("H100", "2.7B FSDP --recompute 2, 4 ranks", 2.3),
-    ("H100", "xl FSDP, 4 ranks", 1.5),
-    ("H100", "xl DDP, 4 ranks", 1.2),
+    ("H200", "2.7B FSDP, 2 ranks of train.py", 0.9),
+    ("H200", "2.7B FSDP --recompute 2, 2 ranks", 1.5),
+    ("H200", "xl FSDP, 2 ranks", 1.2),
+    ("H200", "xl DDP, 2 ranks", 2.3),
     ("H100", "account --model large --seq 512 --batch 6 --bf16", 4.3),
     ("H200", "account --model large --seq 512 --batch 6 --bf16", 4.0),
     ("H200", "account --model gpt2 --seq 1024 --batch 16 --vocab 50304 --bf16", 7.2),
@@ -1447,7 +1447,7 @@ def parse(argv):
     p.add_argument("--rounds", type=int_in(1), help="checkpoint: interleaved timing rounds (default 3, --full 5; 2 "
                    "on a CPU)")
     p.add_argument("--groups", type=int_list(1), help="checkpoint: group sizes, both schemes at each, e.g. 4,7 "
-                   "(default: each scheme at its predicted best)")
+                   "(default: each scheme at its predicted best; 1,2 on a CPU)")
     p.add_argument("--full", action="store_true", help="checkpoint: the full sweep, both schemes at 1, sqrt(L) and "
                    "each one's best -1, +0, +1, 5 rounds on a GPU (the GPU default, xl B=4 T=2048 fp32: 13 "
                    "variants x 5 rounds, minutes)")
@@ -1543,13 +1543,13 @@ def parallel_values(devices, tp, bandwidth_gbs, latency_us, device_gb):
     return values
 
 
-def announce_cpu(part, model, B, T, full):  # measured here: account and checkpoint 7-9 s of wall time, 2 shared cores
+def announce_cpu(part, model, B, T, full):  # measured on 2 cores: account 4 s, checkpoint 8 s of wall time
     sizes = f"model {model}, batch {B}, seq {T}"
     if (model, B, T) == DEFAULTS[part][0] and not full:  # checkpoint --full times more variants
-        print(f"no CUDA: {part} counts live tensors on the CPU at its CPU default, {sizes}: about 10 s on 2 cores")
+        print(f"no CUDA: {part} counts live tensors on the CPU at its CPU default, {sizes}: under 10 s on 2 cores")
     else:
         print(f"no CUDA: {part} counts live tensors on the CPU for {sizes}; the time grows with each (every op is "
-              f"counted; the CPU default, tiny, 2, 64, takes about 10 s on 2 cores)")
+              f"counted; the CPU default, tiny, 2, 64, takes under 10 s on 2 cores)")
 
 
 def main(argv=None):
